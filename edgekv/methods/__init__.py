@@ -1,0 +1,40 @@
+"""Compression methods: one file per method, and a plain registry.
+
+Add a method by writing a ``Method`` dataclass in its own file and listing it
+in ``METHODS``; the parametrised test matrix (tests/test_methods.py) picks it up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..errors import EdgekvError
+from .base import Method
+from .full import Full
+from .knorm import Knorm
+from .random import Random
+from .streaming_llm import StreamingLLM
+
+METHODS: dict[str, type[Method]] = {
+    cls.name: cls for cls in (Full, StreamingLLM, Knorm, Random)
+}
+
+
+def get_method(name: str, **params: object) -> Method:
+    """A configured instance; unknown names and parameters are one-line errors."""
+    cls = METHODS.get(name)
+    if cls is None:
+        raise EdgekvError(f"unknown method {name!r}; available: {', '.join(METHODS)}")
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    for k in params:
+        if k not in known:
+            raise EdgekvError(
+                f"method {name!r} has no parameter {k!r}; it takes: {', '.join(known) or 'none'}"
+            )
+    try:
+        return cls(**params)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as e:
+        raise EdgekvError(f"bad parameters for {name}: {e}") from e
+
+
+__all__ = ["METHODS", "Method", "get_method"]

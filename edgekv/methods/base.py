@@ -1,0 +1,74 @@
+"""What every compression method shares: protection of sinks and recent tokens,
+and the selection contract of the engines (same count per layer and KV head).
+
+A method either scores tokens per (layer, KV head) (``score``; higher keeps)
+and inherits the selection, or overrides ``select`` to choose indices itself
+(incremental methods such as LagKV). Hyperparameters are dataclass fields, with
+the papers' defaults, so ``edgekv methods`` can list them and the CLI can set
+them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import ClassVar
+
+import numpy as np
+
+from ..errors import BudgetError
+from ..kvcache.engine import KVSnapshot
+
+
+@dataclass
+class Method:
+    """Base class. ``sinks``: the first tokens of the sequence, always kept
+    (attention sinks, StreamingLLM). ``window``: the newest cells, always kept
+    (the local context a query-agnostic compression cannot judge yet)."""
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    compresses: ClassVar[bool] = True
+
+    sinks: int = 4
+    window: int = 32
+
+    def params(self) -> dict[str, object]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def protected(self, snap: KVSnapshot) -> np.ndarray:
+        """bool [L, H, n]: cells that must survive any compression."""
+        n = snap.n_cells
+        prot = snap.token_pos < self.sinks
+        prot[:, :, max(0, n - max(self.window, 1)) :] = True  # the newest cell always stays
+        return prot
+
+    def min_budget(self, snap: KVSnapshot) -> int:
+        return int(self.protected(snap).sum(axis=2).max())
+
+    def score(self, snap: KVSnapshot, layer: int) -> np.ndarray:
+        """float [H, n] for one layer; higher means keep. Override this or ``select``."""
+        raise NotImplementedError
+
+    def select(self, snap: KVSnapshot, budget: int) -> np.ndarray:
+        """int [L, H, budget]: cells to keep per (layer, KV head), ascending."""
+        n = snap.n_cells
+        if budget >= n:
+            return np.broadcast_to(np.arange(n), (snap.n_layer, snap.n_kv_head, n)).copy()
+        prot = self.protected(snap)
+        need = int(prot.sum(axis=2).max())
+        if budget < need:
+            raise BudgetError(
+                f"budget {budget} is below the {need} cells {self.name} always keeps "
+                f"(sinks={self.sinks}, window={self.window})"
+            )
+        keep = np.empty((snap.n_layer, snap.n_kv_head, budget), dtype=np.int64)
+        for layer in range(snap.n_layer):
+            s = np.asarray(self.score(snap, layer), dtype=np.float64)
+            if s.shape != (snap.n_kv_head, n):
+                raise ValueError(f"{self.name}.score returned {s.shape}, expected {(snap.n_kv_head, n)}")
+            s = np.where(np.isnan(s), -np.inf, s)
+            s = np.where(prot[layer], np.inf, s)
+            # Stable top-k: ties go to the earlier token, so results are reproducible.
+            top = np.argsort(-s, axis=1, kind="stable")[:, :budget]
+            keep[layer] = np.sort(top, axis=1)
+        return keep

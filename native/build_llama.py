@@ -1,0 +1,179 @@
+#!/usr/bin/env python3
+"""Build llama-cpp-python 0.3.36 from its PyPI sdist with ggml_patches/ applied.
+
+The result is a wheel cached outside the clone under
+``$EDGEKV_CACHE/wheels/<key>/`` (default ``~/.cache/edgekv``), keyed by
+everything that changes the binary: the llama-cpp-python version, the hash of
+every patch, the CMake flags, the compiler and the CPU features (ggml builds
+with -march=native). CI and fresh clones on the same machine reuse it; a
+machine without the cache builds it (about 5 minutes on 2 cores; ccache makes
+rebuilds after a patch change much faster).
+
+Usage: python native/build_llama.py [--cuda] [--install] [--print-key]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+VERSION = "0.3.36"
+ROOT = Path(__file__).resolve().parent.parent
+PATCH_DIR = ROOT / "ggml_patches"
+CACHE = Path(os.environ.get("EDGEKV_CACHE", Path.home() / ".cache" / "edgekv"))
+
+# AMX is compiled out: the AMX buffer type segfaults on batches of ~21+ tokens
+# on this CPU family (shared/DESIGN.md section 5); the other extra buffer types
+# (weight repacking) stay. Tools, tests, examples and llava are not needed.
+AMX_OFF = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+BASE_FLAGS = [
+    "-DLLAVA_BUILD=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_TOOLS=OFF",
+    "-DLLAMA_BUILD_SERVER=OFF",
+    f"-DCMAKE_C_FLAGS={AMX_OFF}",
+    f"-DCMAKE_CXX_FLAGS={AMX_OFF}",
+]
+CUDA_FLAGS = ["-DGGML_CUDA=ON"]
+
+
+def log(msg: str) -> None:
+    print(f"[edgekv build] {msg}", file=sys.stderr, flush=True)
+
+
+def patches() -> list[Path]:
+    return sorted(PATCH_DIR.glob("*.patch"))
+
+
+def cpu_signature() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        flags = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return f"{platform.machine()}|{flags}"
+
+
+def compiler_signature() -> str:
+    try:
+        out = subprocess.run(["c++", "--version"], capture_output=True, text=True, check=False).stdout
+        return out.splitlines()[0] if out else "?"
+    except OSError:
+        return "?"
+
+
+def cmake_flags(cuda: bool) -> list[str]:
+    flags = list(BASE_FLAGS)
+    if cuda:
+        flags += CUDA_FLAGS
+    if shutil.which("ccache"):
+        flags += ["-DCMAKE_C_COMPILER_LAUNCHER=ccache", "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache"]
+    return flags
+
+
+def build_key(cuda: bool) -> str:
+    h = hashlib.sha256()
+    h.update(f"llama-cpp-python=={VERSION}\n".encode())
+    for p in patches():
+        h.update(p.name.encode() + b"\n" + p.read_bytes())
+    # ccache is a launcher, not an input: leave it out of the key.
+    h.update(" ".join(f for f in cmake_flags(cuda) if "LAUNCHER" not in f).encode())
+    h.update(cpu_signature().encode())
+    h.update(compiler_signature().encode())
+    h.update(f"py{sys.version_info.major}.{sys.version_info.minor}".encode())
+    return h.hexdigest()[:20]
+
+
+def fetch_sdist() -> Path:
+    dest = CACHE / "sdist"
+    dest.mkdir(parents=True, exist_ok=True)
+    found = list(dest.glob(f"llama_cpp_python-{VERSION}.tar.gz"))
+    if found:
+        return found[0]
+    log(f"downloading llama-cpp-python=={VERSION} sdist from PyPI")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+         f"llama-cpp-python=={VERSION}", "-d", str(dest)],
+        check=True,
+    )
+    return next(dest.glob(f"llama_cpp_python-{VERSION}.tar.gz"))
+
+
+def apply_patches(src: Path) -> None:
+    vendor = src / "vendor" / "llama.cpp"
+    for p in patches():
+        log(f"applying {p.name}")
+        r = subprocess.run(["patch", "-p1", "--forward", "--batch", "-i", str(p)], cwd=vendor,
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            sys.exit(f"[edgekv build] patch {p.name} does not apply to llama.cpp in "
+                     f"llama-cpp-python {VERSION}:\n{r.stdout}{r.stderr}")
+
+
+def build(cuda: bool) -> Path:
+    key = build_key(cuda)
+    out = CACHE / "wheels" / key
+    wheels = list(out.glob("llama_cpp_python-*.whl")) if out.is_dir() else []
+    if wheels:
+        log(f"cached build {key} (patches: {len(patches())})")
+        return wheels[0]
+    sdist = fetch_sdist()
+    with tempfile.TemporaryDirectory(prefix="edgekv-build-") as tmp:
+        with tarfile.open(sdist) as tf:
+            tf.extractall(tmp, filter="data")
+        src = Path(tmp) / f"llama_cpp_python-{VERSION}"
+        apply_patches(src)
+        env = dict(os.environ)
+        env["CMAKE_ARGS"] = " ".join(f"'{f}'" if " " in f else f for f in cmake_flags(cuda))
+        env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
+        env.setdefault("CCACHE_DIR", str(CACHE / "ccache"))
+        # ccache keys on paths; a stable base dir lets every temp checkout hit.
+        env.setdefault("CCACHE_BASEDIR", tmp)
+        env.setdefault("CCACHE_NOHASHDIR", "1")
+        tmp_out = Path(tmp) / "wheel"
+        log(f"building llama-cpp-python {VERSION} with {len(patches())} patch(es), key {key} "
+            f"(about 5 minutes on 2 cores the first time)")
+        r = subprocess.run(
+            [sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(tmp_out), str(src)], env=env
+        )
+        if r.returncode != 0:
+            sys.exit("[edgekv build] building llama-cpp-python failed (see the log above)")
+        built = next(tmp_out.glob("llama_cpp_python-*.whl"))
+        out.mkdir(parents=True, exist_ok=True)
+        final = out / built.name
+        shutil.copy2(built, out / (built.name + ".part"))
+        os.replace(out / (built.name + ".part"), final)
+        return final
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cuda", action="store_true", default=os.environ.get("EDGEKV_CUDA") == "1",
+                    help="build the CUDA backend too (or EDGEKV_CUDA=1)")
+    ap.add_argument("--install", action="store_true", help="pip install the wheel into this Python")
+    ap.add_argument("--print-key", action="store_true")
+    a = ap.parse_args()
+    if a.print_key:
+        print(build_key(a.cuda))
+        return
+    whl = build(a.cuda)
+    print(whl)
+    if a.install:
+        pip = [sys.executable, "-m", "pip", "install", "-q"]
+        # Same version as a stock install, so force the swap; then a second
+        # pass brings in the bindings' own dependencies.
+        subprocess.run([*pip, "--force-reinstall", "--no-deps", str(whl)], check=True)
+        subprocess.run([*pip, str(whl)], check=True)
+
+
+if __name__ == "__main__":
+    main()

