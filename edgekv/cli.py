@@ -92,7 +92,13 @@ def _session(model: str | None, method: str, budget: int | None, ratio: float | 
 
 def _progress_bar(label: str):
     """A rich progress bar as a (done, total) callback plus its context manager."""
-    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        Progress,
+        TaskProgressColumn,
+        TextColumn,
+        TimeRemainingColumn,
+    )
 
     prog = Progress(TextColumn(label), BarColumn(), TaskProgressColumn(), TextColumn("{task.completed}/{task.total} tok"),
                     TimeRemainingColumn(), transient=True, disable=not sys.stderr.isatty())

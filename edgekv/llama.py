@@ -23,6 +23,7 @@ from .errors import EdgekvError, ModelError
 _L = None
 _log_cb = None
 _log_tail: list[str] = []
+_capture: list[str] | None = None  # all log lines while a Context is being created
 _verbose = bool(os.environ.get("EDGEKV_VERBOSE"))
 
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
@@ -44,6 +45,8 @@ def lib():
         if msg.strip():
             _log_tail.append(msg.rstrip())
             del _log_tail[:-50]
+            if _capture is not None:
+                _capture.append(msg)
         if _verbose:
             os.write(2, text or b"")
 
@@ -242,6 +245,38 @@ class Model:
             pass
 
 
+def _rotation_from_log(log: str, arch: Arch) -> tuple[int, int]:
+    """Hadamard block sizes llama.cpp uses for this context's K and V cache (0 = none).
+
+    Since 2026 llama.cpp rotates each head of a *quantised* K/V cache by an
+    orthonormal Walsh-Hadamard matrix (q and k alike, so attention is
+    unchanged) to spread outliers before quantisation. Cached rows are then
+    H·k, not k; scorers that look at channels (LagKV's per-channel min/max)
+    must undo it. llama.cpp logs its decision; we read that rather than
+    re-deriving the rule, and fall back to the rule if the log is silent.
+    """
+    mk = re.search(r"attn_rot_k = (\d+), n_embd_head_k_all = (-?\d+)", log)
+    mv = re.search(r"attn_rot_v = (\d+)", log)
+    if mk is None or mv is None:
+        raise EdgekvError("could not tell from llama.cpp's log whether the KV cache is Hadamard-rotated")
+    k_rot = 0
+    if mk.group(1) == "1":
+        head = int(mk.group(2))
+        k_rot = 64
+        while head % (k_rot * 2) == 0:
+            k_rot *= 2
+    v_rot = 64 if mv.group(1) == "1" else 0
+    return k_rot, v_rot
+
+
+def hadamard(n: int) -> np.ndarray:
+    """The orthonormal Walsh-Hadamard matrix exactly as llama.cpp builds it (float32, H @ H = I)."""
+    h = np.array([[1.0 / np.sqrt(np.float32(n))]], dtype=np.float32)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
 class Context:
     """A llama.cpp context (KV cache + compute) for one model, one sequence (seq 0)."""
 
@@ -280,7 +315,13 @@ class Context:
         p.type_v = tv
         p.flash_attn_type = FLASH_ATTN[flash_attn]
         p.no_perf = True
-        self.ptr = L.llama_init_from_model(model.ptr, p)
+        global _capture
+        _capture = []
+        try:
+            self.ptr = L.llama_init_from_model(model.ptr, p)
+            created_log = "".join(_capture)
+        finally:
+            _capture = None
         if not self.ptr:
             raise EdgekvError(f"llama.cpp could not create a context: {last_log_error() or 'unknown error'}")
         self.mem = L.llama_get_memory(self.ptr)
@@ -290,6 +331,7 @@ class Context:
         self.cache_type_v = cache_type_v
         self.flash_attn = flash_attn
         self._batch = L.llama_batch_init(self.n_batch, 0, 1)
+        self.k_rot, self.v_rot = _rotation_from_log(created_log, model.arch)
 
     # -- decoding -------------------------------------------------------------
     def decode(self, tokens: list[int], start_pos: int, *, logits_last: bool = True, seq: int = 0) -> None:

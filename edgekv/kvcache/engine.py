@@ -23,7 +23,7 @@ from typing import Protocol
 import numpy as np
 
 from ..errors import EdgekvError, StateLayoutError
-from ..llama import Context
+from ..llama import Context, hadamard
 from . import layout
 from .quant import dequantize, row_size
 
@@ -36,7 +36,9 @@ class KVSnapshot:
     position of the token whose K/V sit in cell ``j`` of (layer ``l``, head
     ``h``): after a compaction, cell j holds different tokens in different
     heads (shared/DESIGN.md section 2). ``pos`` is llama.cpp's per-cell
-    position, which only drives masking.
+    position, which only drives masking. Keys and values are returned as the
+    model computed them: llama.cpp's Hadamard rotation of quantised caches is
+    undone here, so scorers see the same channels whatever the cache type.
     """
 
     pos: np.ndarray
@@ -46,6 +48,8 @@ class KVSnapshot:
     head_dim_v: int
     _section: layout.CacheSection = field(repr=False)
     _order: np.ndarray = field(repr=False)
+    _k_rot: int = field(default=0, repr=False)
+    _v_rot: int = field(default=0, repr=False)
     _k: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
     _v: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
 
@@ -62,7 +66,7 @@ class KVSnapshot:
         if layer not in self._k:
             ld = self._section.layers[layer]
             n_embd = self.n_kv_head * self.head_dim_k
-            k = dequantize(ld.k, ld.k_type, n_embd)[self._order]
+            k = _unrotate(dequantize(ld.k, ld.k_type, n_embd)[self._order], self._k_rot)
             self._k[layer] = k.reshape(self.n_cells, self.n_kv_head, self.head_dim_k)
         return self._k[layer]
 
@@ -75,9 +79,17 @@ class KVSnapshot:
             if self._section.v_trans:
                 # [n_embd_v, n, el] -> [n, n_embd_v * el]: rows of one cell.
                 raw = np.ascontiguousarray(raw.transpose(1, 0, 2)).reshape(self.n_cells, -1)
-            v = dequantize(raw, ld.v_type, n_embd)[self._order]
+            v = _unrotate(dequantize(raw, ld.v_type, n_embd)[self._order], self._v_rot)
             self._v[layer] = v.reshape(self.n_cells, self.n_kv_head, self.head_dim_v)
         return self._v[layer]
+
+
+def _unrotate(x: np.ndarray, block: int) -> np.ndarray:
+    """Undo llama.cpp's Walsh-Hadamard rotation of quantised caches (H is its own inverse)."""
+    if not block:
+        return x
+    n, c = x.shape
+    return (x.reshape(n, c // block, block) @ hadamard(block)).reshape(n, c)
 
 
 @dataclass
@@ -235,6 +247,8 @@ class StateEngine:
             head_dim_v=self.head_dim_v,
             _section=sec,
             _order=order,
+            _k_rot=self.ctx.k_rot,
+            _v_rot=self.ctx.v_rot,
         )
 
     # -- verbs -----------------------------------------------------------------
