@@ -33,6 +33,8 @@ from .llama import Context, Model, lib
 from .methods import Method, get_method
 
 ProgressFn = Callable[[int, int], None]
+SESSION_MAGIC = b"EDGEKV\x00\x01"
+SESSION_FILE_VERSION = 1
 
 
 @dataclass
@@ -276,6 +278,64 @@ class Session:
         self.stats.tokens_seen = seen
         self.stats.cells = self.engine.n_cells
         self._has_logits = False
+
+    def save_file(self, path: str | Path) -> None:
+        """Write the sequence to a file a later session (same model and cache types) can load."""
+        import json
+
+        state = self.engine.save()
+        arch = self.model.arch
+        header = {
+            "version": SESSION_FILE_VERSION, "model": self.model.path.name, "model_size": self.model.path.stat().st_size,
+            "n_layer": arch.n_layer, "n_head_kv": arch.n_head_kv, "cache_type_k": self.ctx.cache_type_k,
+            "cache_type_v": self.ctx.cache_type_v, "flash_attn": self.ctx.flash_attn, "n_past": self.n_past,
+            "tokens_seen": self.stats.tokens_seen, "token_pos_shape": list(state.token_pos.shape),
+            "blob_len": len(state.blob),
+        }
+        hb = json.dumps(header).encode()
+        tmp = Path(str(path) + ".part")
+        with open(tmp, "wb") as f:
+            f.write(SESSION_MAGIC + len(hb).to_bytes(4, "little") + hb)
+            f.write(state.token_pos.astype("<i4").tobytes())
+            f.write(state.blob)
+        tmp.replace(path)
+
+    def load_file(self, path: str | Path) -> None:
+        """Load a saved sequence; every check happens before the live cache is touched."""
+        import json
+
+        path = Path(path)
+        if not path.is_file():
+            raise EdgekvError(f"session file {path} does not exist")
+        data = path.read_bytes()
+        if not data.startswith(SESSION_MAGIC):
+            raise EdgekvError(f"{path} is not an edgekv session file")
+        try:
+            hl = int.from_bytes(data[8:12], "little")
+            header = json.loads(data[12 : 12 + hl])
+        except (ValueError, UnicodeDecodeError) as e:
+            raise EdgekvError(f"{path}: session header is corrupt or truncated ({e})") from e
+        if header.get("version") != SESSION_FILE_VERSION:
+            raise EdgekvError(f"{path}: session file version {header.get('version')} is not supported")
+        shape = tuple(header["token_pos_shape"])
+        off = 12 + hl
+        n_tp = int(np.prod(shape)) * 4
+        if len(data) != off + n_tp + header["blob_len"]:
+            raise EdgekvError(f"{path}: session file is truncated or has extra bytes")
+        arch = self.model.arch
+        if (header["model"], header["model_size"], header["n_layer"]) != (
+            self.model.path.name, self.model.path.stat().st_size, arch.n_layer
+        ):
+            raise EdgekvError(f"{path} was saved with model {header['model']}, this session runs {self.model.path.name}")
+        for key in ("cache_type_k", "cache_type_v"):
+            if header[key] != getattr(self.ctx, key):
+                raise EdgekvError(
+                    f"{path} holds a {header[key]} cache ({key.replace('_', '-')}), "
+                    f"this session uses cache type {getattr(self.ctx, key)}"
+                )
+        token_pos = np.frombuffer(data[off : off + n_tp], dtype="<i4").reshape(shape).astype(np.int32)
+        state = CacheState(blob=data[off + n_tp :], token_pos=token_pos, engine=self.engine.name)
+        self.restore((state, header["n_past"], header["tokens_seen"]))
 
     def close(self) -> None:
         if self._sampler is not None:

@@ -46,8 +46,8 @@ class KVSnapshot:
     n_kv_head: int
     head_dim_k: int
     head_dim_v: int
-    _section: layout.CacheSection = field(repr=False)
-    _order: np.ndarray = field(repr=False)
+    _section: layout.CacheSection | None = field(repr=False)
+    _order: np.ndarray | None = field(repr=False)
     _k_rot: int = field(default=0, repr=False)
     _v_rot: int = field(default=0, repr=False)
     _k: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
@@ -59,7 +59,22 @@ class KVSnapshot:
 
     @property
     def n_layer(self) -> int:
-        return len(self._section.layers)
+        return int(self.token_pos.shape[0])
+
+    @classmethod
+    def from_arrays(cls, keys: list[np.ndarray], values: list[np.ndarray],
+                    token_pos: np.ndarray | None = None) -> KVSnapshot:
+        """A snapshot of given float K/V ([n, H, d] per layer), for tests,
+        benchmarks and the papers' test vectors: methods cannot tell it from
+        one read out of llama.cpp."""
+        n, h, dk = keys[0].shape
+        dv = values[0].shape[2]
+        if token_pos is None:
+            token_pos = np.broadcast_to(np.arange(n, dtype=np.int32), (len(keys), h, n)).copy()
+        return cls(pos=np.arange(n, dtype=np.int32), token_pos=token_pos, n_kv_head=h, head_dim_k=dk,
+                   head_dim_v=dv, _section=None, _order=None,
+                   _k={i: np.asarray(k, np.float32) for i, k in enumerate(keys)},
+                   _v={i: np.asarray(v, np.float32) for i, v in enumerate(values)})
 
     def keys(self, layer: int) -> np.ndarray:
         """float32 [n_cells, n_kv_head, head_dim_k] (post-RoPE, as cached)."""

@@ -1,0 +1,94 @@
+"""One parametrised matrix every registered method passes, plus each baseline
+against a direct implementation of its rule."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edgekv.errors import BudgetError, EdgekvError
+from edgekv.kvcache.engine import KVSnapshot, check_keep
+from edgekv.methods import METHODS, get_method
+
+L, H, N, D = 3, 2, 200, 16
+
+
+def snapshot(seed: int = 0, n: int = N, token_pos: np.ndarray | None = None) -> KVSnapshot:
+    rng = np.random.default_rng(seed)
+    keys = [rng.standard_normal((n, H, D)).astype(np.float32) * rng.uniform(0.5, 2, (n, H, 1))
+            for _ in range(L)]
+    values = [rng.standard_normal((n, H, D)).astype(np.float32) for _ in range(L)]
+    return KVSnapshot.from_arrays(keys, values, token_pos)
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+@pytest.mark.parametrize("budget", [60, 120, 199])
+def test_selection_contract(name: str, budget: int) -> None:
+    """Valid indices for the engines, protected cells kept, reproducible."""
+    m = get_method(name)
+    snap = snapshot()
+    keep = m.select(snap, budget)
+    expect = N if not m.compresses else budget
+    assert keep.shape == (L, H, expect)
+    check_keep(keep, L, H, N)  # raises on any contract violation
+    prot = m.protected(snap)
+    for il in range(L):
+        for h in range(H):
+            assert set(np.flatnonzero(prot[il, h])) <= set(keep[il, h].tolist())
+    assert np.array_equal(keep, m.select(snapshot(), budget))
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_budget_at_or_above_cells_keeps_everything(name: str) -> None:
+    keep = get_method(name).select(snapshot(n=50), 50)
+    assert np.array_equal(keep, np.broadcast_to(np.arange(50), (L, H, 50)))
+
+
+@pytest.mark.parametrize("name", [n for n, c in METHODS.items() if c.compresses])
+def test_budget_below_protected_is_a_clear_error(name: str) -> None:
+    m = get_method(name)
+    with pytest.raises(BudgetError, match="always keeps"):
+        m.select(snapshot(), m.sinks + m.window - 1)
+
+
+@pytest.mark.parametrize("name", [n for n, c in METHODS.items() if c.compresses])
+def test_sinks_follow_token_positions_after_compaction(name: str) -> None:
+    """Second compression: sinks are found by original token position, not cell index."""
+    tp = np.broadcast_to(np.arange(N, dtype=np.int32) * 3, (L, H, N)).copy()
+    m = get_method(name)
+    keep = m.select(snapshot(token_pos=tp), 80)
+    n_sink_cells = int((tp[0, 0] < m.sinks).sum())
+    assert np.all(keep[:, :, :n_sink_cells] == np.arange(n_sink_cells))
+
+
+def test_knorm_keeps_lowest_key_norms_per_head() -> None:
+    m = get_method("knorm", sinks=0, window=1)
+    snap = snapshot(3)
+    keep = m.select(snap, 50)
+    for il in range(L):
+        for h in range(H):
+            norms = np.linalg.norm(snap.keys(il)[:, h], axis=1)
+            ref = np.argsort(norms[:-1], kind="stable")[:49]
+            assert np.array_equal(keep[il, h], np.sort(np.append(ref, N - 1)))
+    assert not np.array_equal(keep[0, 0], keep[0, 1])  # heads choose independently
+
+
+def test_streaming_llm_is_sinks_plus_recent() -> None:
+    m = get_method("streaming_llm", sinks=4, window=8)
+    keep = m.select(snapshot(), 40)
+    ref = np.concatenate([np.arange(4), np.arange(N - 36, N)])
+    assert np.all(keep == ref)
+
+
+def test_random_differs_by_seed_and_head() -> None:
+    a = get_method("random", seed=0).select(snapshot(), 100)
+    b = get_method("random", seed=1).select(snapshot(), 100)
+    assert not np.array_equal(a, b)
+    assert not np.array_equal(a[0, 0], a[0, 1])
+
+
+def test_unknown_method_and_parameter() -> None:
+    with pytest.raises(EdgekvError, match="unknown method 'nope'; available: full"):
+        get_method("nope")
+    with pytest.raises(EdgekvError, match="has no parameter 'bogus'"):
+        get_method("knorm", bogus=1)

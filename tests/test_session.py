@@ -1,0 +1,162 @@
+"""Session on the real default model: equivalence with plain llama.cpp,
+bounded memory under compression, save/restore, and the AMX guard."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from edgekv.errors import BudgetError, EdgekvError
+from edgekv.kvcache import layout
+from edgekv.llama import use_extra_bufts
+from edgekv.session import Session
+
+PROMPT = ("Once upon a time, in a small village by the sea, there lived an old fisherman who "
+          "told stories to the children every evening. One night he began a new story about")
+
+
+def _plain_llama_greedy(path, tokens: list[int], n: int, flash_attn: bool) -> list[int]:
+    """Greedy continuation by llama-cpp-python's own high-level loop (independent of edgekv)."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(path), n_ctx=512, n_batch=256, n_ubatch=256, n_threads=2, verbose=False,
+                          flash_attn=flash_attn)
+    out = []
+    for tok in llm.generate(tokens, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
+        if llm.token_eos() == tok or len(out) >= n:
+            break
+        out.append(tok)
+    llm.close()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fa", ["on", "off"])
+def test_full_and_large_budget_match_plain_llama_cpp_greedy(smollm2, smollm2_path, fa: str) -> None:
+    toks = smollm2.tokenize(PROMPT)
+    ref = _plain_llama_greedy(smollm2_path, toks, 40, flash_attn=fa == "on")
+    assert len(ref) >= 20
+    for method, kw in (("full", {}), ("knorm", {"budget": 400}), ("streaming_llm", {"budget": 400})):
+        with Session(smollm2, method=method, n_ctx=512, chunk=256, n_threads=2, flash_attn=fa, **kw) as s:
+            s.feed(toks)
+            got = list(s.generate_tokens(len(ref)))
+            assert s.stats.compressions == 0
+        assert got == ref, f"{method} diverged from llama.cpp greedy"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["streaming_llm", "knorm", "random"])
+def test_prompt_four_times_n_ctx_stays_bounded(smollm2, method: str) -> None:
+    n_ctx, budget = 256, 128
+    text = " ".join(f"Record {i}: the ship {i % 7} carried {i * 3} barrels of oil." for i in range(120))
+    toks = smollm2.tokenize(text)
+    assert len(toks) >= 4 * n_ctx
+    with Session(smollm2, method=method, budget=budget, n_ctx=n_ctx, chunk=64, n_threads=2) as s:
+        seen_cells = []
+        s.feed(toks, progress=lambda done, total: seen_cells.append(s.engine.n_cells))
+        assert s.stats.tokens_seen == len(toks)
+        assert s.stats.peak_cells <= n_ctx and max(seen_cells) <= n_ctx
+        assert s.stats.compressions >= (len(toks) - n_ctx) // (n_ctx - budget)
+        # llama.cpp's own count agrees with the engine's accounting.
+        sec = layout.parse_seq_state(s.ctx.state_get(), n_caches=1, n_layers=None).sections[0]
+        assert sec.n_cells == s.engine.n_cells == s.stats.cells
+        assert s.ctx.pos_max() == len(toks) - 1
+        out = "".join(s.generate(16))
+        assert out.strip()
+        assert s.ctx.pos_max() <= len(toks) - 1 + 16
+
+
+def test_impossible_budgets_are_one_line_errors(smollm2) -> None:
+    cases = [
+        dict(method="knorm", budget=512, n_ctx=512),
+        dict(method="knorm", budget=20, n_ctx=512),
+        dict(method="knorm", ratio=1.5),
+        dict(method="knorm", ratio=0.5, budget=100),
+        dict(method="knorm", budget=0),
+    ]
+    for kw in cases:
+        with pytest.raises(BudgetError) as e:
+            Session(smollm2, n_threads=2, **kw)
+        assert "\n" not in str(e.value)
+
+
+def test_full_method_reports_a_full_context(smollm2) -> None:
+    with Session(smollm2, method="full", n_ctx=64, chunk=32, n_threads=2) as s:
+        with pytest.raises(EdgekvError, match="context full"):
+            s.feed(smollm2.tokenize(PROMPT * 4))
+
+
+def test_save_restore_reuses_a_prefill(smollm2) -> None:
+    toks = smollm2.tokenize(PROMPT * 3)
+    with Session(smollm2, method="knorm", budget=48, n_ctx=256, n_threads=2) as s:
+        s.feed(toks)
+        saved = s.save()
+        first = list(s.generate_tokens(8))
+        s.restore(saved)
+        # After a restore the last logits are gone; re-decoding is the caller's job.
+        with pytest.raises(EdgekvError, match="feed a prompt first"):
+            list(s.generate_tokens(1))
+        s.compress(48)
+        assert s.engine.n_cells == 48
+        s.restore(saved)
+        assert s.engine.n_cells == len(toks)
+        assert first  # generation from the original prefill worked
+
+
+def test_session_file_roundtrip_and_wrong_files(smollm2, tmp_path) -> None:
+    toks = smollm2.tokenize(PROMPT * 3)
+    with Session(smollm2, method="knorm", budget=48, n_ctx=256, n_threads=2) as s:
+        s.feed(toks)
+        s.compress()
+        ref = s.engine.snapshot()
+        f = tmp_path / "chat.ekv"
+        s.save_file(f)
+    with Session(smollm2, method="knorm", budget=48, n_ctx=256, n_threads=2) as s2:
+        s2.load_file(f)
+        got = s2.engine.snapshot()
+        assert s2.engine.n_cells == 48 and s2.n_past == len(toks)
+        np.testing.assert_array_equal(got.keys(5), ref.keys(5))
+        np.testing.assert_array_equal(got.token_pos, ref.token_pos)
+        tok = smollm2.tokenize(" the", add_special=False)
+        s2.feed(tok)  # continues where the saved session stopped
+        assert s2.ctx.pos_max() == len(toks)
+    bad = tmp_path / "bad.ekv"
+    bad.write_bytes(b"not a session")
+    data = f.read_bytes()
+    trunc = tmp_path / "trunc.ekv"
+    trunc.write_bytes(data[: len(data) // 2])
+    with Session(smollm2, method="knorm", budget=48, n_ctx=256, cache_type_k="q8_0",
+                 cache_type_v="q8_0", flash_attn="on", n_threads=2) as s3:
+        s3.feed(toks[:10])
+        for path, msg in ((bad, "not an edgekv session"), (trunc, "truncated"),
+                          (f, "cache type"), (tmp_path / "missing.ekv", "does not exist")):
+            with pytest.raises(EdgekvError, match=msg) as e:
+                s3.load_file(path)
+            assert "\n" not in str(e.value)
+            assert s3.engine.n_cells == 10  # nothing lost
+
+
+def test_extra_buffer_types_off_only_for_amx_builds_on_amx_cpus() -> None:
+    assert use_extra_bufts(cpu_amx=True, lib_amx=True) is False
+    assert use_extra_bufts(cpu_amx=True, lib_amx=False) is True
+    assert use_extra_bufts(cpu_amx=False, lib_amx=True) is True
+
+
+@pytest.mark.slow
+def test_long_batches_do_not_crash_on_this_cpu(smollm2_path) -> None:
+    """The 21+-token batch that segfaulted in ggml_backend_amx_mul_mat (DESIGN.md 5),
+    through the product's loading path, in a child process so a crash is a failure, not a dead run."""
+    code = textwrap.dedent(f"""
+        from edgekv.session import Session
+        s = Session({str(smollm2_path)!r}, method="full", n_ctx=512, chunk=256, n_threads=2)
+        toks = s.model.tokenize("The harbour was quiet that morning, " * 30)
+        s.feed(toks)
+        print("ok", len(toks), "".join(s.generate(4)) is not None)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"child exited {r.returncode}: {r.stderr[-500:]}"
+    assert r.stdout.startswith("ok ")
