@@ -122,6 +122,8 @@ class Session:
             )
         self.budget = budget
         self.ratio = ratio
+        self.method.bind(budget, ratio)
+        self._since_compress = 0
         self.chunk = min(chunk, n_ctx - budget) if budget is not None else min(chunk, n_ctx)
         self.ctx = Context(
             self.model,
@@ -163,6 +165,9 @@ class Session:
         t0 = time.perf_counter()
         snap = self.engine.snapshot()
         keep = self.method.select(snap, target)
+        self._since_compress = 0
+        if keep.shape[2] >= before:
+            return  # the method chose to keep everything (e.g. no complete LagKV partition)
         self.engine.compact(keep)
         dt = time.perf_counter() - t0
         s = self.stats
@@ -171,8 +176,9 @@ class Session:
         s.cells = self.engine.n_cells
         s.tokens_evicted += before - s.cells
         s.events.append((s.tokens_seen, before, s.cells))
-        # Rows decoded before the compaction no longer match the cache.
-        self._has_logits = False
+        # The last logits stay valid: they were computed over the uncompressed
+        # cache (the best next-token distribution there is), and
+        # llama_state_seq_set_data leaves llama.cpp's output buffer alone.
 
     def _ensure_room(self, n: int) -> None:
         if self.engine.n_cells + n <= self.capacity:
@@ -206,6 +212,10 @@ class Session:
             s.cells = self.engine.n_cells
             s.peak_cells = max(s.peak_cells, s.cells)
             self._has_logits = True
+            self._since_compress += n
+            if self.method.compresses and self.method.due(self._since_compress, s.cells):
+                self.compress()
+                s.cells = self.engine.n_cells
             if progress:
                 progress(done, total)
 

@@ -160,3 +160,15 @@ def test_long_batches_do_not_crash_on_this_cpu(smollm2_path) -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, f"child exited {r.returncode}: {r.stderr[-500:]}"
     assert r.stdout.startswith("ok ")
+
+
+def test_logits_survive_a_compression(smollm2) -> None:
+    """Compressing between prefill and sampling keeps the already computed logits."""
+    toks = smollm2.tokenize(PROMPT * 3)
+    with Session(smollm2, method="knorm", budget=48, n_ctx=256, n_threads=2) as s:
+        s.feed(toks)
+        before = s.logits()
+        s.compress()
+        assert s.engine.n_cells == 48
+        assert np.array_equal(s.logits(), before)
+        assert len(list(s.generate_tokens(4))) >= 1

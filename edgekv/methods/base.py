@@ -32,6 +32,21 @@ class Method:
     sinks: int = 4
     window: int = 32
 
+    def bind(self, budget: int | None, ratio: float | None) -> None:
+        """Called once by the Session with its budget rule (ratio = fraction removed).
+
+        Methods whose own hyperparameters express the budget (LagKV's per-
+        partition keep ratio) adopt it here; the default needs nothing.
+        """
+
+    def due(self, tokens_since_compress: int, n_cells: int) -> bool:
+        """Incremental methods: compress now, before the cache is full?
+
+        Checked by the Session after every decoded chunk or token. Returning
+        True makes it call ``select`` with the session's target; ``select``
+        may then keep everything (no event is recorded)."""
+        return False
+
     def params(self) -> dict[str, object]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
