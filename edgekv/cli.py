@@ -15,12 +15,44 @@ import typer
 
 from .errors import EdgekvError
 
-app = typer.Typer(
+try:  # typer >= 0.20 vendors click; older releases use click itself
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError
+except ImportError:  # pragma: no cover - depends on the installed typer
+    from click.exceptions import ClickException
+
+    NoArgsIsHelpError = None  # type: ignore[assignment,misc]
+
+
+class _App(typer.Typer):
+    """Typer whose usage errors (bad option values, unknown options or commands)
+    are one ``edgekv: error:`` line with exit code 2, like edgekv's own errors,
+    instead of a multi-line usage panel."""
+
+    def __call__(self, *args, **kwargs):
+        if "standalone_mode" in kwargs:  # embedding callers keep typer's behaviour
+            return super().__call__(*args, **kwargs)
+        try:
+            rv = super().__call__(*args, standalone_mode=False, **kwargs)
+        except ClickException as e:
+            if NoArgsIsHelpError is not None and isinstance(e, NoArgsIsHelpError):
+                # `edgekv` or `edgekv models` alone: typer's own help screen, exit 2.
+                return super().__call__(*args, **kwargs)
+            ctx = getattr(e, "ctx", None)
+            hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+            _echo_error(f"{e.format_message()}{hint}")
+            sys.exit(getattr(e, "exit_code", 2) or 2)
+        except typer.Abort:
+            _echo_error("aborted")
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+app = _App(
     add_completion=False,
     no_args_is_help=True,
     help="Long-context LLM inference on small machines: KV-cache compression for llama.cpp.",
 )
-models_app = typer.Typer(no_args_is_help=True, help="Models that PyPI packages ship.")
+models_app = _App(no_args_is_help=True, help="Models that PyPI packages ship.")
 app.add_typer(models_app, name="models")
 
 BUDGET_HELP = (
@@ -53,8 +85,13 @@ ParamOpt = Annotated[
 ]
 
 
+def _echo_error(msg: str) -> None:
+    # Always exactly one line, whatever the message (llama.cpp log lines, paths).
+    typer.echo("edgekv: error: " + (" ".join(str(msg).split()) or "unknown error"), err=True)
+
+
 def _fail(e: Exception) -> None:
-    typer.echo(f"edgekv: error: {e}", err=True)
+    _echo_error(str(e))
     raise typer.Exit(2)
 
 
@@ -82,11 +119,12 @@ def _session(model: str | None, method: str, budget: int | None, ratio: float | 
     from .models import resolve_model
     from .session import Session
 
+    params_dict = _parse_params(params)
     path = resolve_model(model)
     return Session(
         path, method=method, budget=budget, ratio=ratio, n_ctx=n_ctx, chunk=chunk,
         cache_type_k=ctk, cache_type_v=ctv, flash_attn=fa, n_threads=threads,
-        method_params=_parse_params(params),
+        method_params=params_dict,
     )
 
 
@@ -112,6 +150,35 @@ def _progress_bar(label: str):
     return prog, cb
 
 
+def _stats_dict(s) -> dict[str, object]:
+    return {
+        "n_ctx": s.n_ctx, "cells": s.cells, "peak_cells": s.peak_cells,
+        "compressions": s.compressions, "tokens_seen": s.tokens_seen,
+        "tokens_evicted": s.tokens_evicted, "kv_bytes": s.kv_bytes,
+        "kv_bytes_per_cell": s.kv_bytes_per_cell, "compress_seconds": s.compress_seconds,
+        "events": s.events,
+    }
+
+
+def _check_writable(path: Path | None, opt: str) -> None:
+    """Fail before the (slow) model run, not after it, if ``path`` cannot be written."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise EdgekvError(f"{opt} {path} is a directory")
+    if not path.parent.is_dir():
+        raise EdgekvError(f"{opt} {path}: directory {path.parent} does not exist")
+
+
+def _write_json(path: Path, data: object, opt: str) -> None:
+    import json
+
+    try:
+        path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    except OSError as e:
+        raise EdgekvError(f"cannot write {opt} {path}: {e.strerror or e}") from None
+
+
 def _stats_line(s) -> str:
     return (f"[cells {s.cells}/{s.n_ctx} | seen {s.tokens_seen} | kept {100 * s.kept_fraction:.0f}% | "
             f"compressions {s.compressions} | KV {s.kv_bytes / 2**20:.1f} MiB]")
@@ -133,15 +200,20 @@ def chat(
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.7,
     seed: int = 0,
     system: Annotated[str | None, typer.Option(help="System prompt.")] = None,
-    show_stats: Annotated[bool, typer.Option("--stats/--no-stats", help="Print cache counters after each reply.")] = True,
+    show_stats: Annotated[bool, typer.Option("--stats/--no-stats", help="Print cache counters (one line on stderr) after each reply.")] = True,
+    stats_json: Annotated[Path | None, typer.Option(help="At the end, write the cache counters and every turn (user text, reply, counters) as JSON here.")] = None,
 ) -> None:
     """Interactive chat whose KV cache stays within --n-ctx; lines come from stdin (scriptable).
 
     Type a message and press Enter; `/stats` shows the cache counters, `/quit` or EOF ends.
+    Each turn prints the reply on stdout and, with --stats, one counter line on stderr.
+    Without --budget, --ratio and --n-ctx, a compressing method keeps 1024 cells.
     """
     from .session import Chat, SamplerConfig
 
+    turns: list[dict[str, object]] = []
     try:
+        _check_writable(stats_json, "--stats-json")
         if budget is None and ratio is None and n_ctx is None and method != "full":
             budget = 1024
         sess = _session(model, method, budget, ratio, n_ctx, cache_type_k, cache_type_v, flash_attn, threads, param)
@@ -169,14 +241,21 @@ def chat(
             with prog:
                 pieces = conv.send(text, max_tokens=max_tokens, sampler=cfg, progress=cb)
                 first = next(pieces, "")
+            reply = [first]
             sys.stdout.write(first)
             for piece in pieces:
+                reply.append(piece)
                 sys.stdout.write(piece)
                 sys.stdout.flush()
             sys.stdout.write("\n")
-            if show_stats:
-                typer.echo(_stats_line(sess.stats), err=True)
             sys.stdout.flush()
+            s = sess.stats
+            turns.append({"user": text, "reply": "".join(reply), "cells": s.cells,
+                          "tokens_seen": s.tokens_seen, "compressions": s.compressions})
+            if show_stats:
+                typer.echo(_stats_line(s), err=True)
+        if stats_json:
+            _write_json(stats_json, {**_stats_dict(sess.stats), "turns": turns}, "--stats-json")
     except EdgekvError as e:
         _fail(e)
 
@@ -202,20 +281,24 @@ def generate(
     stats_json: Annotated[Path | None, typer.Option(help="Write the cache counters as JSON here.")] = None,
 ) -> None:
     """One-shot: ingest a (long) prompt in chunks under the memory bound, then generate."""
-    import json
-
     from .session import SamplerConfig
 
     try:
         if (prompt is None) == (prompt_file is None):
             raise EdgekvError("give exactly one of --prompt or --prompt-file")
+        _check_writable(stats_json, "--stats-json")
         if prompt_file is not None:
             if str(prompt_file) == "-":
                 text = sys.stdin.read()
-            elif not prompt_file.is_file():
+            elif prompt_file.is_dir():
+                raise EdgekvError(f"prompt file {prompt_file} is a directory")
+            elif not prompt_file.exists():
                 raise EdgekvError(f"prompt file {prompt_file} does not exist")
             else:
-                text = prompt_file.read_text(encoding="utf-8", errors="replace")
+                try:
+                    text = prompt_file.read_text(encoding="utf-8", errors="replace")
+                except OSError as e:
+                    raise EdgekvError(f"cannot read prompt file {prompt_file}: {e.strerror or e}") from None
         else:
             text = prompt or ""
         if not text.strip():
@@ -232,14 +315,7 @@ def generate(
         sys.stdout.write("\n")
         typer.echo(_stats_line(sess.stats), err=True)
         if stats_json:
-            s = sess.stats
-            stats_json.write_text(json.dumps({
-                "n_ctx": s.n_ctx, "cells": s.cells, "peak_cells": s.peak_cells,
-                "compressions": s.compressions, "tokens_seen": s.tokens_seen,
-                "tokens_evicted": s.tokens_evicted, "kv_bytes": s.kv_bytes,
-                "kv_bytes_per_cell": s.kv_bytes_per_cell, "compress_seconds": s.compress_seconds,
-                "events": s.events,
-            }, indent=1))
+            _write_json(stats_json, _stats_dict(sess.stats), "--stats-json")
     except EdgekvError as e:
         _fail(e)
 
@@ -276,10 +352,13 @@ def models_list() -> None:
     """Models edgekv can fetch from PyPI, and whether they are pulled."""
     from .models import is_pulled, list_models, models_dir
 
-    for spec in list_models():
-        mark = "pulled" if is_pulled(spec.name) else "-"
-        typer.echo(f"{spec.name:22s} {mark:7s} {spec.description}")
-    typer.echo(f"(cache: {models_dir()})")
+    try:
+        for spec in list_models():
+            mark = "pulled" if is_pulled(spec.name) else "-"
+            typer.echo(f"{spec.name:22s} {mark:7s} {spec.description}")
+        typer.echo(f"(cache: {models_dir()})")
+    except EdgekvError as e:
+        _fail(e)
 
 
 @models_app.command("pull")
@@ -296,3 +375,7 @@ def models_pull(name: str) -> None:
 def main() -> None:  # pragma: no cover
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     app()
+
+
+if __name__ == "__main__":  # pragma: no cover - `python -m edgekv.cli`
+    main()

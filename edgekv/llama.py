@@ -60,6 +60,10 @@ def lib():
 def last_log_error() -> str:
     """The last error/warning llama.cpp logged, to enrich a one-line error message."""
     for line in reversed(_log_tail):
+        # A failed load ends with "failed to load model"; the reason is the line before.
+        if "error loading model:" in line:
+            return line.split("error loading model:", 1)[1].strip()
+    for line in reversed(_log_tail):
         if "error" in line.lower() or "failed" in line.lower():
             return line.strip()
     return _log_tail[-1].strip() if _log_tail else ""

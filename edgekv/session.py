@@ -115,7 +115,8 @@ class Session:
             n_ctx = budget + chunk if budget is not None else min(arch.n_ctx_train or 4096, 4096)
         if budget is not None and budget >= n_ctx:
             raise BudgetError(f"--budget {budget} must be below --n-ctx {n_ctx} (room to decode after compressing)")
-        if self.method.compresses and budget is not None and budget <= self.method.sinks + self.method.window:
+        if (self.method.compresses and not self.method.shifts_positions and budget is not None
+                and budget <= self.method.sinks + self.method.window):
             raise BudgetError(
                 f"--budget {budget} leaves no room beyond the {self.method.sinks} sinks + "
                 f"{self.method.window}-token window that {self.method.name} always keeps"
@@ -124,7 +125,16 @@ class Session:
         self.ratio = ratio
         self.method.bind(budget, ratio)
         self._since_compress = 0
-        self.chunk = min(chunk, n_ctx - budget) if budget is not None else min(chunk, n_ctx)
+        # A compression must leave room for the next chunk: with a budget that is
+        # n_ctx - budget; otherwise at least the fraction a compression removes.
+        if budget is not None:
+            self.chunk = min(chunk, n_ctx - budget)
+        elif ratio is not None:
+            self.chunk = max(1, min(chunk, math.floor(n_ctx * ratio)))
+        elif self.method.compresses:
+            self.chunk = max(1, min(chunk, n_ctx // 2))
+        else:
+            self.chunk = min(chunk, n_ctx)
         self.ctx = Context(
             self.model,
             n_ctx=n_ctx,
@@ -163,12 +173,16 @@ class Session:
         if target >= before:
             return
         t0 = time.perf_counter()
-        snap = self.engine.snapshot()
-        keep = self.method.select(snap, target)
         self._since_compress = 0
-        if keep.shape[2] >= before:
-            return  # the method chose to keep everything (e.g. no complete LagKV partition)
-        self.engine.compact(keep)
+        if self.method.shifts_positions:
+            # llama.cpp's context shift: positions move, so n_past moves with them.
+            self.n_past -= self.engine.shift(self.method.n_keep, self.method.n_discard(before))
+        else:
+            snap = self.engine.snapshot()
+            keep = self.method.select(snap, target)
+            if keep.shape[2] >= before:
+                return  # the method chose to keep everything (e.g. no complete LagKV partition)
+            self.engine.compact(keep)
         dt = time.perf_counter() - t0
         s = self.stats
         s.compressions += 1
@@ -188,7 +202,12 @@ class Session:
                 f"context full: {self.engine.n_cells} + {n} tokens exceed n_ctx={self.capacity} and "
                 f"method '{self.method.name}' never compresses (use --method or a larger --n-ctx)"
             )
-        self.compress()
+        # Halving methods (ratio mode, context shift) may need more than one round.
+        while self.engine.n_cells + n > self.capacity:
+            before = self.engine.n_cells
+            self.compress()
+            if self.engine.n_cells >= before:
+                break
         if self.engine.n_cells + n > self.capacity:
             raise BudgetError(
                 f"compression left {self.engine.n_cells} cells; {n} more do not fit in n_ctx={self.capacity}"

@@ -29,6 +29,8 @@ def test_selection_contract(name: str, budget: int) -> None:
     snap = snapshot()
     keep = m.select(snap, budget)
     expect = N if not m.compresses else budget
+    if m.shifts_positions:  # llama.cpp context shift halves, whatever the budget
+        expect = N - m.n_discard(N)
     assert keep.shape == (L, H, expect)
     check_keep(keep, L, H, N)  # raises on any contract violation
     prot = m.protected(snap)
@@ -38,13 +40,13 @@ def test_selection_contract(name: str, budget: int) -> None:
     assert np.array_equal(keep, m.select(snapshot(), budget))
 
 
-@pytest.mark.parametrize("name", list(METHODS))
+@pytest.mark.parametrize("name", [n for n, c in METHODS.items() if not c.shifts_positions])
 def test_budget_at_or_above_cells_keeps_everything(name: str) -> None:
     keep = get_method(name).select(snapshot(n=50), 50)
     assert np.array_equal(keep, np.broadcast_to(np.arange(50), (L, H, 50)))
 
 
-@pytest.mark.parametrize("name", [n for n, c in METHODS.items() if c.compresses])
+@pytest.mark.parametrize("name", [n for n, c in METHODS.items() if c.compresses and not c.shifts_positions])
 def test_budget_below_protected_is_a_clear_error(name: str) -> None:
     m = get_method(name)
     with pytest.raises(BudgetError, match="always keeps"):

@@ -172,3 +172,22 @@ def test_logits_survive_a_compression(smollm2) -> None:
         assert s.engine.n_cells == 48
         assert np.array_equal(s.logits(), before)
         assert len(list(s.generate_tokens(4))) >= 1
+
+
+@pytest.mark.slow
+def test_context_shift_matches_llama_cpp_semantics(smollm2) -> None:
+    """llama.cpp's context shift: positions are shifted down, n_keep cells stay,
+    the older half of the rest goes, and decoding goes on below n_ctx."""
+    text = " ".join(f"Entry {i}: the tide rose {i % 5} feet." for i in range(60))
+    toks = smollm2.tokenize(text)
+    with Session(smollm2, method="context_shift", n_ctx=128, n_threads=2) as s:
+        s.feed(toks)
+        assert s.stats.compressions >= 1 and s.stats.peak_cells <= 128
+        snap = s.engine.snapshot()
+        # Positions are contiguous again after the shift (not the original ones) ...
+        assert s.ctx.pos_max() == s.n_past - 1 < len(toks) - 1
+        assert np.all(np.diff(snap.pos[1:]) == 1)
+        # ... while the engine still knows which original tokens survive.
+        assert snap.token_pos[0, 0, 0] == 0
+        assert snap.token_pos[0, 0, -1] == len(toks) - 1
+        assert "".join(s.generate(8)).strip()

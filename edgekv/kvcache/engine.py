@@ -193,7 +193,7 @@ class StateEngine:
         self.n_caches = 2 if arch.n_swa > 0 else 1
         self._token_pos = np.zeros((0, self.n_kv_head, 0), dtype=np.int32)
         self._n_cells = 0
-        self._n_layer_c: int | None = None
+        self._pos_shift = 0  # positions removed by context shifts, to recover original positions
 
     # -- accounting ------------------------------------------------------------
     @property
@@ -204,7 +204,28 @@ class StateEngine:
         """Tell the engine that n new cells were appended by llama_decode."""
         self._n_cells += n
 
+    def shift(self, n_keep: int, n_discard: int) -> int:
+        """llama.cpp's context shift on this sequence: drop cells n_keep..n_keep+n_discard-1
+        (token order) and move the later ones down by n_discard positions. Returns
+        the position delta. Only valid on a cache whose cells are whole tokens
+        (never compacted per head), which the caller guarantees."""
+        snap = self.snapshot()
+        if not np.all(snap.token_pos == snap.token_pos[:1, :1]):
+            raise EdgekvError("context shift needs an uncompacted cache (same tokens in every head)")
+        pos = snap.pos
+        p0, p1 = int(pos[n_keep]), int(pos[n_keep + n_discard])
+        delta = p1 - p0
+        if not self.ctx.seq_rm(self.seq, p0, p1):
+            raise EdgekvError("llama.cpp refused to remove the shifted range")
+        self.ctx.seq_add(self.seq, p1, -1, -delta)
+        keep = np.concatenate([np.arange(n_keep), np.arange(n_keep + n_discard, snap.n_cells)])
+        self._token_pos = snap.token_pos[:, :, keep]
+        self._n_cells = keep.size
+        self._pos_shift += delta
+        return delta
+
     def reset(self) -> None:
+        self._pos_shift = 0
         self._n_cells = 0
         self._token_pos = np.zeros((0, self.n_kv_head, 0), dtype=np.int32)
 
@@ -246,7 +267,7 @@ class StateEngine:
         tp = np.empty((n_layer, self.n_kv_head, n), dtype=np.int32)
         if m:
             tp[:, :, :m] = tracked
-        tp[:, :, m:] = pos_sorted[m:]
+        tp[:, :, m:] = pos_sorted[m:] + self._pos_shift
         return tp
 
     def snapshot(self) -> KVSnapshot:

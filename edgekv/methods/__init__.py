@@ -10,13 +10,14 @@ import dataclasses
 
 from ..errors import EdgekvError
 from .base import Method
+from .context_shift import ContextShift
 from .full import Full
 from .knorm import Knorm
 from .random import Random
 from .streaming_llm import StreamingLLM
 
 METHODS: dict[str, type[Method]] = {
-    cls.name: cls for cls in (Full, StreamingLLM, Knorm, Random)
+    cls.name: cls for cls in (Full, StreamingLLM, Knorm, Random, ContextShift)
 }
 
 

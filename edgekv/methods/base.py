@@ -28,6 +28,7 @@ class Method:
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""
     compresses: ClassVar[bool] = True
+    shifts_positions: ClassVar[bool] = False  # only llama.cpp's context shift
 
     sinks: int = 4
     window: int = 32
