@@ -384,18 +384,21 @@ class Context:
     def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
         lib().llama_memory_seq_add(self.mem, seq, p0, p1, delta)
 
-    def state_get(self, seq: int = 0) -> bytes:
+    def state_get(self, seq: int = 0) -> bytearray:
+        """The sequence's state blob. llama.cpp writes straight into the returned
+        buffer: a compaction round trip moves the whole cache, so copies count."""
         L = lib()
         size = L.llama_state_seq_get_size(self.ptr, seq)
-        buf = (ctypes.c_uint8 * size)()
-        n = L.llama_state_seq_get_data(self.ptr, buf, size, seq)
+        out = bytearray(size)
+        n = L.llama_state_seq_get_data(self.ptr, (ctypes.c_uint8 * size).from_buffer(out), size, seq)
         if n != size:
             raise EdgekvError(f"llama_state_seq_get_data wrote {n} of {size} bytes")
-        return bytes(buf)
+        return out
 
-    def state_set(self, blob: bytes, seq: int = 0) -> None:
+    def state_set(self, blob: bytes | bytearray, seq: int = 0) -> None:
         L = lib()
-        buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
+        arr = ctypes.c_uint8 * len(blob)
+        buf = arr.from_buffer(blob) if isinstance(blob, bytearray) else arr.from_buffer_copy(blob)
         n = L.llama_state_seq_set_data(self.ptr, buf, len(blob), seq)
         if n != len(blob):
             raise EdgekvError(

@@ -212,9 +212,11 @@ def _parse_stream(
     )
 
 
-def write_seq_state(state: SeqState) -> bytes:
-    """Serialise a ``SeqState`` back into the exact layout ``parse_seq_state`` reads."""
-    parts: list[bytes] = [struct.pack("<Ii", STATE_SEQ_MAGIC, state.seq_id)]
+def write_seq_state(state: SeqState) -> bytearray:
+    """Serialise a ``SeqState`` back into the exact layout ``parse_seq_state`` reads.
+
+    Row arrays are joined as buffers, so the cache bytes are copied once."""
+    parts: list[bytes | memoryview] = [struct.pack("<Ii", STATE_SEQ_MAGIC, state.seq_id)]
     for sec in state.sections:
         parts.append(struct.pack("<I", sec.n_stream))
         for s in range(sec.n_stream):
@@ -230,14 +232,14 @@ def write_seq_state(state: SeqState) -> bytes:
             parts.append(struct.pack("<II", int(sec.v_trans), len(sec.layers)))
             for ld in sec.layers:
                 parts.append(struct.pack("<iQ", ld.k_type, ld.k_row_bytes))
-                parts.append(np.ascontiguousarray(ld.k).tobytes())
+                parts.append(memoryview(np.ascontiguousarray(ld.k)).cast("B"))
             for ld in sec.layers:
                 if not sec.v_trans:
                     parts.append(struct.pack("<iQ", ld.v_type, ld.v_row_bytes))
                 else:
                     parts.append(struct.pack("<iII", ld.v_type, ld.v_elem_size, ld.n_embd_v))
-                parts.append(np.ascontiguousarray(ld.v).tobytes())
-    return b"".join(parts)
+                parts.append(memoryview(np.ascontiguousarray(ld.v)).cast("B"))
+    return bytearray().join(parts)
 
 
 def gather_section(sec: CacheSection, order: np.ndarray, keep: np.ndarray, pos: np.ndarray,
