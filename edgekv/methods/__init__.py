@@ -13,11 +13,12 @@ from .base import Method
 from .context_shift import ContextShift
 from .full import Full
 from .knorm import Knorm
+from .lagkv import LagKV
 from .random import Random
 from .streaming_llm import StreamingLLM
 
 METHODS: dict[str, type[Method]] = {
-    cls.name: cls for cls in (Full, StreamingLLM, Knorm, Random, ContextShift)
+    cls.name: cls for cls in (Full, StreamingLLM, Knorm, Random, ContextShift, LagKV)
 }
 
 

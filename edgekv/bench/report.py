@@ -1,0 +1,324 @@
+"""Tables (markdown) and plots from the JSON-lines results of the quality and speed sweeps."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+
+from .runner import RESULTS_FILE, load_rows
+from .tasks import QA_TASKS
+
+SPEED_FILE = "speed.jsonl"
+TASK_LABEL = {"passkey": "passkey", "niah_single": "NIAH-1", "niah_multikey": "NIAH-MK", "niah_multivalue": "NIAH-MV",
+              "vt": "VT", "cwe": "CWE", "ppl": "PPL"}
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _method_order(methods: set[str]) -> list[str]:
+    first = ["full", "context_shift"]
+    return [m for m in first if m in methods] + sorted(m for m in methods if m not in first)
+
+
+class Table:
+    """Aggregates quality rows: mean score per (model, cache type, length, method, ratio, task)."""
+
+    def __init__(self, rows: list[dict]) -> None:
+        from .runner import row_key
+
+        rows = list({row_key(r): r for r in rows}.values())  # one row per key (the last written)
+        self.rows = [r for r in rows if r.get("score") is not None]
+        self.errors = [r for r in rows if r.get("score") is None]
+        self.cell: dict[tuple, list[dict]] = defaultdict(list)
+        for r in self.rows:
+            self.cell[(r["model"], r["cache_type"], r["length"], r["protocol"], r["method"], r["ratio"], r["task"])].append(r)
+
+    def configs(self) -> list[tuple[str, str, int, str]]:
+        return sorted({(r["model"], r["cache_type"], r["length"], r["protocol"]) for r in self.rows},
+                      key=lambda c: (c[0], c[2], c[1], c[3]))
+
+    def tasks(self) -> list[str]:
+        present = {r["task"] for r in self.rows}
+        return [t for t in (*QA_TASKS, "ppl") if t in present]
+
+    def evals(self, cfg: tuple) -> list[tuple[str, float]]:
+        pairs = {(r["method"], r["ratio"]) for r in self.rows if (r["model"], r["cache_type"], r["length"], r["protocol"]) == cfg}
+        order = _method_order({m for m, _ in pairs})
+        return sorted(pairs, key=lambda p: (order.index(p[0]), p[1]))
+
+    def score(self, cfg: tuple, method: str, ratio: float, task: str) -> tuple[float, int]:
+        rs = self.cell.get((*cfg, method, ratio, task), [])
+        if not rs:
+            return float("nan"), 0
+        if task == "ppl":  # perplexity over all evaluated tokens: exp(mean nll)
+            n = sum(r["n_eval"] for r in rs)
+            return math.exp(sum(r["nll"] * r["n_eval"] for r in rs) / n), len(rs)
+        return 100.0 * _mean([r["score"] for r in rs]), len(rs)
+
+    def qa_avg(self, cfg: tuple, method: str, ratio: float) -> float:
+        vals = [self.score(cfg, method, ratio, t)[0] for t in self.tasks() if t != "ppl"]
+        vals = [v for v in vals if not math.isnan(v)]
+        return _mean(vals)
+
+    def kv(self, cfg: tuple, method: str, ratio: float) -> tuple[float, float]:
+        """(mean KV MiB, mean kept fraction) over every row of the pair."""
+        rs = [r for t in self.tasks() for r in self.cell.get((*cfg, method, ratio, t), [])]
+        return (_mean([r["kv_bytes"] / 2**20 for r in rs]),
+                _mean([r["kept"] for r in rs if r.get("kept") is not None]))
+
+
+def _fmt(v: float, digits: int = 1) -> str:
+    return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{digits}f}"
+
+
+def markdown(results_dir: Path) -> str:
+    rows = load_rows(results_dir / RESULTS_FILE)
+    out: list[str] = []
+    grid = {}
+    if (results_dir / "grid.json").is_file():
+        grid = json.loads((results_dir / "grid.json").read_text())
+    if rows:
+        out += quality_markdown(Table(rows), grid)
+    speed = load_rows(results_dir / SPEED_FILE)
+    if speed:
+        out += speed_markdown(speed)
+    if not out:
+        out = [f"no results in {results_dir}"]
+    return "\n".join(out) + "\n"
+
+
+def quality_markdown(tab: Table, grid: dict) -> list[str]:
+    from .text import SOURCE
+
+    tasks = tab.tasks()
+    qa = [t for t in tasks if t != "ppl"]
+    out = ["# edgekv quality benchmark", ""]
+    proto = {r["protocol"] for r in tab.rows}
+    tmpl = {r["template"] for r in tab.rows}
+    out.append(
+        f"Protocol: {', '.join(sorted(proto))} (agnostic = the context is compressed before the question "
+        f"arrives); prompt template: {', '.join(sorted(tmpl))}; greedy decoding. Ratio = fraction of the "
+        "context's KV cells removed. Scores are % (mean over samples; multi-answer tasks give partial "
+        "credit); PPL = exp(mean NLL) of the tokens that follow the compressed passage. "
+        "`context_shift` is llama.cpp's context shift with n_ctx = the cells the other methods keep "
+        f"(KV column: its allocation). Haystack and PPL text: {SOURCE}."
+    )
+    out.append("")
+    for cfg in tab.configs():
+        model, ct, length, protocol = cfg
+        evals = tab.evals(cfg)
+        ns = sorted({tab.score(cfg, m, r, t)[1] for m, r in evals for t in tasks} - {0})
+        n_txt = str(ns[0]) if len(ns) == 1 else f"{ns[0]}–{ns[-1]}"
+        out.append(f"## {model}, {length} tokens, KV cache {ct}, query-{protocol} (n = {n_txt} per cell)")
+        out.append("")
+        head = ["method", "ratio", *[TASK_LABEL.get(t, t) for t in qa]]
+        if qa:
+            head.append("QA avg")
+        if "ppl" in tasks:
+            head.append("PPL")
+        head += ["kept %", "KV MiB", "n"]
+        out.append("| " + " | ".join(head) + " |")
+        out.append("|" + "|".join(["---"] * 2 + ["---:"] * (len(head) - 2)) + "|")
+        for m, r in evals:
+            cells = [m, "–" if r == 0 else f"{r:g}"]
+            cells += [_fmt(tab.score(cfg, m, r, t)[0], 0) for t in qa]
+            if qa:
+                cells.append(_fmt(tab.qa_avg(cfg, m, r)))
+            if "ppl" in tasks:
+                cells.append(_fmt(tab.score(cfg, m, r, "ppl")[0], 2))
+            mib, kept = tab.kv(cfg, m, r)
+            nn = sorted({tab.score(cfg, m, r, t)[1] for t in tasks} - {0})
+            cells += [_fmt(100 * kept, 1), _fmt(mib, 2), "/".join(map(str, nn)) or "0"]
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    # KV quantisation alone: the full cache across cache types.
+    by = defaultdict(dict)
+    for cfg in tab.configs():
+        if (cfg[0], cfg[2], cfg[3]) and ("full", 0.0) in tab.evals(cfg):
+            by[(cfg[0], cfg[2], cfg[3])][cfg[1]] = cfg
+    multi = {k: v for k, v in by.items() if len(v) > 1}
+    if multi:
+        out.append("## KV quantisation alone (full cache)")
+        out.append("")
+        out.append("| model | length | cache | QA avg | PPL | KV MiB |")
+        out.append("|---|---:|---|---:|---:|---:|")
+        for (model, length, _p), cts in sorted(multi.items()):
+            for ct, cfg in sorted(cts.items()):
+                ppl = tab.score(cfg, "full", 0.0, "ppl")[0] if "ppl" in tasks else float("nan")
+                out.append(f"| {model} | {length} | {ct} | {_fmt(tab.qa_avg(cfg, 'full', 0.0))} | {_fmt(ppl, 2)} | "
+                           f"{_fmt(tab.kv(cfg, 'full', 0.0)[0], 2)} |")
+        out.append("")
+    if tab.errors:
+        out.append(f"{len(tab.errors)} evaluations failed (e.g. a budget below what the method must keep): "
+                   + "; ".join(sorted({e.get('error', '?')[:120] for e in tab.errors})[:3]))
+        out.append("")
+    times = [r["prefill_s"] for r in tab.rows if r.get("prefill_s")]
+    if times:
+        toks = [r["prompt_tokens"] for r in tab.rows if r.get("prefill_s")]
+        out.append(f"Prefill throughput over the sweep: {sum(toks) / sum(times):.0f} tok/s (mean of every row's sample; "
+                   "rows share a sample's prefill).")
+        out.append("")
+    return out
+
+
+def speed_markdown(rows: list[dict]) -> list[str]:
+    out = ["# edgekv speed and memory", ""]
+    out.append("Decode tok/s at the given context (greedy, batch 1, the model's own tokens fed back); "
+               "`compress s` = one compression event of the whole context (one-shot) or the mean over "
+               "streaming events; overhead = compression time / prefill time. Peak RSS is the process "
+               "high-water mark during that measurement.")
+    out.append("")
+    head = ["model", "cache", "context", "mode", "method", "ratio", "prefill tok/s", "decode tok/s",
+            "cells", "KV MiB", "compress s", "events", "overhead %", "peak RSS MiB"]
+    out.append("| " + " | ".join(head) + " |")
+    out.append("|" + "|".join(["---"] * 6 + ["---:"] * (len(head) - 6)) + "|")
+    for r in sorted(rows, key=lambda r: (r["model"], r["cache_type"], r["length"], r["mode"] != "oneshot",
+                                         r["method"] != "full", r["method"], r["ratio"])):
+        out.append("| " + " | ".join([
+            r["model"], r["cache_type"], str(r["length"]), r["mode"], r["method"],
+            "–" if not r["ratio"] else f"{r['ratio']:g}",
+            _fmt(r.get("prefill_tok_s"), 0), _fmt(r.get("decode_tok_s"), 1), str(r.get("cells", "–")),
+            _fmt(r.get("kv_bytes", 0) / 2**20, 2), _fmt(r.get("compress_s"), 3), str(r.get("compressions", "–")),
+            _fmt(r.get("overhead_pct"), 1), _fmt(r.get("peak_rss_mib"), 0),
+        ]) + " |")
+    out.append("")
+    return out
+
+
+# ---------------------------------------------------------------------------
+# plots
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _value(tab: Table, cfg: tuple, method: str, ratio: float, task: str) -> float:
+    return tab.qa_avg(cfg, method, ratio) if task == "qa_avg" else tab.score(cfg, method, ratio, task)[0]
+
+
+def plot_quality(tab: Table, results_dir: Path) -> list[Path]:
+    plt = _plt()
+    written: list[Path] = []
+    tasks = tab.tasks()
+    for cfg in tab.configs():
+        model, ct, length, protocol = cfg
+        evals = tab.evals(cfg)
+        methods = _method_order({m for m, _ in evals})
+        panels = tasks + (["qa_avg"] if len([t for t in tasks if t != "ppl"]) > 1 else [])
+        ncol = min(4, len(panels))
+        nrow = math.ceil(len(panels) / ncol)
+        fig, axes = plt.subplots(nrow, ncol, figsize=(3.6 * ncol, 3.0 * nrow), squeeze=False)
+        for ax, task in zip(axes.flat, panels, strict=False):
+            for m in methods:
+                rs = sorted(r for mm, r in evals if mm == m)
+                if rs == [0.0]:
+                    ax.axhline(_value(tab, cfg, m, 0.0, task), color="k", ls="--", lw=1, label=m)
+                    continue
+                ax.plot(rs, [_value(tab, cfg, m, r, task) for r in rs], marker="o", ms=3, label=m)
+            ax.set_title("QA average" if task == "qa_avg" else TASK_LABEL.get(task, task), fontsize=9)
+            ax.set_xlabel("ratio removed", fontsize=8)
+            ax.set_ylabel("perplexity" if task == "ppl" else "score %", fontsize=8)
+            if task == "ppl":
+                ax.set_yscale("log")
+            else:
+                ax.set_ylim(-3, 103)
+            ax.tick_params(labelsize=7)
+        for ax in list(axes.flat)[len(panels):]:
+            ax.axis("off")
+        handles, labels = axes.flat[0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 6), fontsize=8, frameon=False)
+        fig.suptitle(f"{model}, {length} tokens, {ct} KV, query-{protocol}", fontsize=10)
+        fig.tight_layout(rect=(0, 0.06, 1, 0.96))
+        p = results_dir / f"accuracy_vs_ratio_{model}_{length}_{ct}_{protocol}.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        written.append(p)
+    # Accuracy against KV bytes: every (method, ratio, cache type) of one model and length.
+    groups = defaultdict(list)
+    for cfg in tab.configs():
+        groups[(cfg[0], cfg[2], cfg[3])].append(cfg)
+    markers = {"f16": "o", "q8_0": "s", "q4_0": "^", "f32": "D", "bf16": "v"}
+    for (model, length, protocol), cfgs in groups.items():
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        methods = _method_order({m for c in cfgs for m, _ in tab.evals(c)})
+        colors = {m: f"C{i}" for i, m in enumerate(methods)}
+        for cfg in cfgs:
+            for m in methods:
+                pts = [(tab.kv(cfg, m, r)[0], tab.qa_avg(cfg, m, r)) for mm, r in tab.evals(cfg) if mm == m]
+                pts = sorted(p for p in pts if not math.isnan(p[1]))
+                if not pts:
+                    continue
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers.get(cfg[1], "x"),
+                        color=colors[m], ls="-" if cfg[1] == "f16" else ":", ms=4,
+                        label=f"{m} ({cfg[1]})")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("KV cache MiB (log2)")
+        ax.set_ylabel("QA average score %")
+        ax.set_title(f"{model}, {length} tokens, query-{protocol}", fontsize=10)
+        ax.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        p = results_dir / f"accuracy_vs_kv_bytes_{model}_{length}_{protocol}.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        written.append(p)
+    return written
+
+
+def plot_speed(rows: list[dict], results_dir: Path) -> list[Path]:
+    plt = _plt()
+    written = []
+    by_model = defaultdict(list)
+    for r in rows:
+        if r["mode"] == "oneshot" and r.get("decode_tok_s"):
+            by_model[(r["model"], r["cache_type"])].append(r)
+    if not by_model:
+        return written
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for i, ((model, ct), rs) in enumerate(sorted(by_model.items())):
+        series = defaultdict(list)
+        for r in rs:
+            label = "full" if r["method"] == "full" else f"{r['method']}@{r['ratio']:g}"
+            series[label].append((r["length"], r["decode_tok_s"]))
+        for j, (label, pts) in enumerate(sorted(series.items(), key=lambda kv: (kv[0] != "full", kv[0]))):
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=4, color=f"C{j}",
+                    ls="-" if i == 0 else "--", label=f"{label} ({model}, {ct})")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length (tokens prefilled)")
+    ax.set_ylabel("decode tok/s")
+    ax.set_title("decode speed against context length", fontsize=10)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    p = results_dir / "decode_vs_context.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    written.append(p)
+    return written
+
+
+def write_report(results_dir: Path) -> tuple[Path, list[Path]]:
+    """Write report.md and every plot the results allow; returns their paths."""
+    results_dir = Path(results_dir)
+    md = markdown(results_dir)
+    path = results_dir / "report.md"
+    path.write_text(md, encoding="utf-8")
+    plots: list[Path] = []
+    rows = load_rows(results_dir / RESULTS_FILE)
+    if rows:
+        tab = Table(rows)
+        if tab.rows:
+            plots += plot_quality(tab, results_dir)
+    speed = load_rows(results_dir / SPEED_FILE)
+    if speed:
+        plots += plot_speed(speed, results_dir)
+    return path, plots

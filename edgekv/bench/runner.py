@@ -1,0 +1,466 @@
+"""The quality sweep: models x cache types x context lengths x tasks x samples x methods x ratios.
+
+Protocol (query-agnostic, the default; kvpress's "compress once, ask later"):
+prefill the context, compress the cache to ``(1 - ratio)`` of its cells, then
+feed the question and decode greedily. Each sample is prefilled once; the
+sequence is saved and restored for every (method, ratio). ``query_aware``
+states the question before the context too, inside the compressed part.
+
+Methods that move positions (llama.cpp's context shift) cannot start from a
+full prefill: they run as llama.cpp would, in a context of ``n_ctx`` = the
+same number of cells the other methods keep, streaming the whole sample
+through it (one prefill per ratio, so they cost more).
+
+Every evaluation is one JSON line in ``results.jsonl``; a row whose key is
+already there is skipped, so an interrupted sweep resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import EdgekvError
+from . import scoring, tasks
+
+RESULTS_FILE = "results.jsonl"
+DEFAULT_RATIOS = (0.5, 0.75, 0.875, 0.9375)
+SINGLE_ANSWER = ("passkey", "niah_single", "niah_multikey")
+# The default grid: about half an hour for --n 20 on 2 cores with SmolLM2-135M.
+DEFAULT_TASKS = ("niah_single", "niah_multikey", "vt", "ppl")
+
+
+@dataclass
+class Grid:
+    models: list[str | None] = field(default_factory=lambda: [None])
+    methods: list[str] = field(default_factory=lambda: ["all"])
+    ratios: list[float] = field(default_factory=lambda: list(DEFAULT_RATIOS))
+    lengths: list[int] = field(default_factory=lambda: [1024])
+    tasks: list[str] = field(default_factory=lambda: list(DEFAULT_TASKS))
+    cache_types: list[str] = field(default_factory=lambda: ["f16"])
+    n: int = 20
+    n_ppl: int | None = None  # samples of the ppl task (default: n)
+    n_shift: int | None = 5  # samples per task for position-shifting methods (one prefill per ratio); None: all
+    seed: int = 0
+    query_aware: bool = False
+    chat: bool = True
+    eval_tokens: int = 128
+    threads: int | None = None
+    out: Path = Path("bench/results")
+
+    def method_names(self) -> list[str]:
+        from ..methods import METHODS
+
+        names: list[str] = []
+        for m in self.methods:
+            if m == "all":
+                names += [n for n in METHODS if n not in names]
+            elif m not in METHODS:
+                raise EdgekvError(f"unknown method {m!r}; available: {', '.join(METHODS)}, all")
+            elif m not in names:
+                names.append(m)
+        return names
+
+    def validate(self) -> None:
+        for t in self.tasks:
+            if t not in tasks.TASKS:
+                raise EdgekvError(f"unknown task {t!r}; available: {', '.join(tasks.TASKS)}")
+        for r in self.ratios:
+            if not 0.0 < r < 1.0:
+                raise EdgekvError(f"ratios are fractions removed, in (0, 1); got {r}")
+        for n in self.lengths:
+            if n < 256:
+                raise EdgekvError(f"context length {n} is too short (minimum 256)")
+        if self.n < 1:
+            raise EdgekvError("--n must be at least 1")
+        from ..kvcache.quant import type_by_name
+
+        for ct in self.cache_types:
+            type_by_name(ct)
+        self.method_names()
+
+
+def row_key(r: dict) -> str:
+    return "|".join(str(r[k]) for k in ("model", "cache_type", "task", "length", "seed", "protocol", "template",
+                                        "sample", "method", "ratio"))
+
+
+def load_rows(path: Path) -> list[dict]:
+    """Rows of a results file; a torn last line (killed mid-write) is ignored."""
+    rows = []
+    if not path.is_file():
+        return rows
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+def model_label(arg: str | None, path: Path) -> str:
+    from ..models import DEFAULT_MODEL, list_models
+
+    if arg is None:
+        return DEFAULT_MODEL
+    if arg in {m.name for m in list_models()}:
+        return arg
+    return path.stem
+
+
+def _evals(methods: list[str], ratios: list[float]) -> list[tuple[str, float]]:
+    from ..methods import METHODS
+
+    out: list[tuple[str, float]] = []
+    for m in methods:
+        if not METHODS[m].compresses:
+            out.append((m, 0.0))
+        else:
+            out += [(m, r) for r in ratios]
+    return out
+
+
+def _reset(sess) -> None:
+    """Empty the session's sequence for the next sample (keeps the context allocated)."""
+    from ..session import Stats
+
+    sess.ctx.clear()
+    sess.engine.reset()
+    sess.n_past = 0
+    sess._has_logits = False
+    sess.stats = Stats(n_ctx=sess.stats.n_ctx, kv_bytes_per_cell=sess.stats.kv_bytes_per_cell)
+
+
+def _use_method(sess, name: str, ratio: float) -> None:
+    from ..methods import get_method
+
+    m = get_method(name)
+    m.bind(None, ratio if ratio > 0 else None)
+    if type(m).due is not _base_due():
+        # One-shot protocol: the cache is compressed once, after the context;
+        # an incremental method must not compress again during the question.
+        object.__setattr__(m, "due", lambda *_a, **_k: False)
+    sess.method = m
+    sess.ratio = None
+    sess.budget = None
+
+
+def _base_due():
+    from ..methods.base import Method
+
+    return Method.due
+
+
+def _stop_fn(task: str) -> Callable[[str], bool]:
+    if task in SINGLE_ANSWER:
+        return lambda s: re.search(r"\d+\D", s) is not None or ("\n" in s.strip())
+    return lambda s: False
+
+
+def _generate(sess, max_new: int, stop: Callable[[str], bool]) -> str:
+    import codecs
+
+    dec = codecs.getincrementaldecoder("utf-8")("replace")
+    out = ""
+    for tok in sess.generate_tokens(max_new):
+        out += dec.decode(sess.model.piece(tok))
+        if stop(out):
+            break
+    return out + dec.decode(b"", final=True)
+
+
+@dataclass
+class Prepared:
+    sample: tasks.Sample
+    prompt: tasks.Prompt | None
+    tokens: list[int] | None  # ppl: context tokens; last one is fed after compression
+    eval_tokens: list[int] | None
+
+
+def _prepare(model, task: str, length: int, grid: Grid, index: int, frame) -> Prepared:
+    count = lambda s: len(model.tokenize(s, add_special=False))  # noqa: E731
+    s = tasks.make_sample(task, length, grid.seed, index, count)
+    if task == "ppl":
+        toks = model.tokenize(s.context, add_special=True)
+        return Prepared(s, None, toks[:length], toks[length : length + grid.eval_tokens])
+    return Prepared(s, tasks.build_prompt(s, query_aware=grid.query_aware, frame=frame), None, None)
+
+
+def _run_oneshot(sess, prep: Prepared, method: str, ratio: float, saved, n_prompt: int) -> dict:
+    """Restore the prefilled context, compress once, ask, score."""
+    sess.restore(saved)
+    _use_method(sess, method, ratio)
+    t0 = time.perf_counter()
+    if ratio > 0:
+        sess.compress(max(1, math.floor(n_prompt * (1.0 - ratio))))
+    compress_s = time.perf_counter() - t0
+    cells = sess.engine.n_cells
+    row = {"cells": cells, "kv_bytes": cells * sess.stats.kv_bytes_per_cell, "compress_s": round(compress_s, 4)}
+    row.update(_answer(sess, prep))
+    return row
+
+
+def _answer(sess, prep: Prepared) -> dict:
+    t0 = time.perf_counter()
+    if prep.sample.task == "ppl":
+        targets = prep.eval_tokens
+        inputs = [prep.tokens[-1], *targets[:-1]]
+        nll = -sum(scoring.log_softmax_at(lg, t) for lg, t in zip(_feed_logits(sess, inputs), targets, strict=True))
+        n = len(targets)
+        return {"score": round(scoring.perplexity(nll, n), 4), "nll": round(nll / n, 5), "n_eval": n,
+                "gen_s": round(time.perf_counter() - t0, 3)}
+    s = prep.sample
+    sess.feed_text(prep.prompt.query, add_special=False)
+    out = _generate(sess, s.max_new_tokens, _stop_fn(s.task))
+    return {"score": scoring.score(s.task, out, s.answers), "output": out.strip()[:200],
+            "answers": list(s.answers), "gen_s": round(time.perf_counter() - t0, 3)}
+
+
+def _feed_logits(sess, tokens: list[int]) -> Iterator[np.ndarray]:
+    """Feed tokens and yield the logits after each one (what predicts the next token).
+
+    One batch with logits at every position when it fits in the free cells
+    and the batch (Session.feed keeps only the last logits); otherwise token
+    by token through Session.feed, which compresses as needed.
+    """
+    from ..llama import lib
+
+    ctx = sess.ctx
+    n = len(tokens)
+    if sess.engine.n_cells + n > sess.capacity or n > ctx.n_batch:
+        for t in tokens:
+            sess.feed([t])
+            yield sess.logits()
+        return
+    L = lib()
+    b = ctx._batch
+    b.n_tokens = n
+    for i, t in enumerate(tokens):
+        b.token[i] = t
+        b.pos[i] = sess.n_past + i
+        b.n_seq_id[i] = 1
+        b.seq_id[i][0] = 0
+        b.logits[i] = 1
+    rc = L.llama_decode(ctx.ptr, b)
+    if rc != 0:
+        raise EdgekvError(f"llama_decode failed (code {rc}) while scoring {n} tokens")
+    sess.engine.note_decoded(n)
+    sess.n_past += n
+    sess.stats.tokens_seen += n
+    sess.stats.cells = sess.engine.n_cells
+    sess._has_logits = True
+    for i in range(n):
+        yield ctx.logits(i)
+
+
+def _run_streaming(model, grid: Grid, cache_type: str, prep: Prepared, method: str, ratio: float,
+                   n_prompt: int) -> dict:
+    """A position-shifting method at the same memory: n_ctx = the cells the others keep."""
+    from ..session import Session
+
+    n_ctx = max(64, math.floor(n_prompt * (1.0 - ratio)))
+    chunk = max(8, min(256, n_ctx // 4))
+    with Session(model, method=method, n_ctx=n_ctx, chunk=chunk, cache_type_k=cache_type,
+                 cache_type_v=cache_type, n_threads=grid.threads) as sess:
+        t0 = time.perf_counter()
+        if prep.sample.task == "ppl":
+            sess.feed(prep.tokens[:-1])
+        else:
+            sess.feed_text(prep.prompt.context, add_special=True)
+        prefill_s = time.perf_counter() - t0
+        row = {"cells": sess.engine.n_cells, "kv_bytes": n_ctx * sess.stats.kv_bytes_per_cell,
+               "compress_s": round(sess.stats.compress_seconds, 4), "stream_prefill_s": round(prefill_s, 3),
+               "compressions": sess.stats.compressions}
+        row.update(_answer(sess, prep))
+    return row
+
+
+class _Reporter:
+    """Rich progress bars on a terminal; one line per sample otherwise (logs)."""
+
+    def __init__(self, total: int, done: int) -> None:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        self.console = Console(stderr=True)
+        self.tty = self.console.is_terminal
+        self.total, self.done = total, done
+        self.t0 = time.perf_counter()
+        self.prog = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                             TimeElapsedColumn(), TimeRemainingColumn(), console=self.console,
+                             disable=not self.tty)
+        self.task = self.prog.add_task("quality", total=total, completed=done)
+        self.sub = self.prog.add_task("", total=1, visible=False)
+
+    def __enter__(self) -> _Reporter:
+        self.prog.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.prog.__exit__(*exc)
+
+    def stage(self, text: str, total: int | None = None) -> None:
+        self.prog.update(self.sub, description=text, total=total or 1, completed=0, visible=True)
+
+    def advance_stage(self) -> None:
+        self.prog.advance(self.sub)
+
+    def advance(self, n: int, line: str | None = None) -> None:
+        self.done += n
+        self.prog.update(self.task, completed=self.done)
+        if line and not self.tty:
+            el = time.perf_counter() - self.t0
+            print(f"[{self.done}/{self.total} {el:6.0f}s] {line}", file=sys.stderr, flush=True)
+
+
+def plan(grid: Grid) -> Iterator[tuple[str | None, str, int, str, int]]:
+    """Sample-major within each (model, cache type, length): a sweep stopped at any
+    point has about as many samples of every task (it resumes from there)."""
+    n_max = max(grid.n, grid.n_ppl or 0)
+    for model in grid.models:
+        for ct in grid.cache_types:
+            for length in grid.lengths:
+                for i in range(n_max):
+                    for task in grid.tasks:
+                        n = grid.n_ppl if (task == "ppl" and grid.n_ppl is not None) else grid.n
+                        if i < n:
+                            yield model, ct, length, task, i
+
+
+def run_quality(grid: Grid, *, log: Callable[[str], None] | None = None) -> Path:
+    """Run (or resume) the sweep; returns the results file."""
+    from ..llama import Model
+    from ..methods import METHODS
+    from ..models import resolve_model
+    from ..session import Session
+
+    grid.validate()
+    log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    grid.out.mkdir(parents=True, exist_ok=True)
+    path = grid.out / RESULTS_FILE
+    done = {row_key(r) for r in load_rows(path)}
+    methods = grid.method_names()
+    evals = _evals(methods, grid.ratios)
+    protocol = "aware" if grid.query_aware else "agnostic"
+    template = "chat" if grid.chat else "raw"
+    items = list(plan(grid))
+
+    def evals_for(i: int) -> list[tuple[str, float]]:
+        if grid.n_shift is None or i < grid.n_shift:
+            return evals
+        return [(m, r) for m, r in evals if not getattr(METHODS[m], "shifts_positions", False)]
+
+    total = sum(len(evals_for(it[-1])) for it in items)
+    with open(grid.out / "grid.json", "w", encoding="utf-8") as f:
+        json.dump({**{k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(grid).items()},
+                   "methods_resolved": methods}, f, indent=1)
+
+    models: dict[str | None, tuple[Model, str]] = {}
+    skipped = 0
+    with _Reporter(total, 0) as rep, open(path, "a", encoding="utf-8") as out:
+        sess = None
+        sess_key = None
+        try:
+            for model_arg, ct, length, task, i in items:
+                if model_arg not in models:
+                    p = resolve_model(model_arg)
+                    models[model_arg] = (Model(p), model_label(model_arg, p))
+                model, label = models[model_arg]
+                base = {"model": label, "cache_type": ct, "task": task, "length": length, "seed": grid.seed,
+                        "protocol": protocol, "template": template, "sample": i}
+                mine = evals_for(i)
+                todo = [(m, r) for m, r in mine if row_key({**base, "method": m, "ratio": r}) not in done]
+                if not todo:
+                    rep.advance(len(mine))
+                    continue
+                n_train = model.arch.n_ctx_train or 0
+                if n_train and length > n_train:
+                    skipped += len(todo)
+                    rep.advance(len(mine), f"skip {label} L={length} > trained context {n_train}")
+                    continue
+                key = (model_arg, ct, length)
+                if sess_key != key:
+                    if sess is not None:
+                        sess.close()
+                    sess = Session(model, method="full", n_ctx=length + grid.eval_tokens + 64, chunk=512,
+                                   cache_type_k=ct, cache_type_v=ct, n_threads=grid.threads)
+                    sess_key = key
+                frame = tasks.chat_frame(model) if grid.chat and task != "ppl" else None
+                prep = _prepare(model, task, length, grid, i, frame)
+                rep.stage(f"{label} {ct} L={length} {task} #{i}: prefill", len(todo) + 1)
+                _reset(sess)
+                t0 = time.perf_counter()
+                if task == "ppl":
+                    sess.feed(prep.tokens[:-1])
+                else:
+                    sess.feed_text(prep.prompt.context, add_special=True)
+                prefill_s = time.perf_counter() - t0
+                n_prompt = sess.engine.n_cells
+                saved = sess.save()
+                rep.advance_stage()
+                summary = []
+                for m, r in todo:
+                    rep.stage(f"{label} {ct} L={length} {task} #{i}: {m}@{r}", len(todo) + 1)
+                    row = {**base, "method": m, "ratio": r, "prompt_tokens": n_prompt,
+                           "prefill_s": round(prefill_s, 3)}
+                    try:
+                        if getattr(METHODS[m], "shifts_positions", False):
+                            row.update(_run_streaming(model, grid, ct, prep, m, r, n_prompt))
+                        else:
+                            row.update(_run_oneshot(sess, prep, m, r, saved, n_prompt))
+                    except EdgekvError as e:  # e.g. a budget below what the method must keep
+                        row.update({"error": str(e), "score": None})
+                    row["kept"] = round(row["cells"] / n_prompt, 4) if row.get("cells") else None
+                    out.write(json.dumps(row) + "\n")
+                    out.flush()
+                    done.add(row_key(row))
+                    sc = row.get("score")
+                    summary.append(f"{m}@{r}={'err' if sc is None else f'{sc:.2f}'}")
+                    rep.advance_stage()
+                rep.advance(len(mine), f"{label} {ct} L={length} {task} #{i} prefill {prefill_s:.1f}s: "
+                            + " ".join(summary))
+        finally:
+            if sess is not None:
+                sess.close()
+            for m, _ in models.values():
+                m.close()
+    if skipped:
+        log(f"skipped {skipped} evaluations whose length exceeds the model's trained context")
+    return path
+
+
+def environment() -> dict[str, object]:
+    import platform
+
+    from .text import SOURCE
+
+    cpu = "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "text": SOURCE}

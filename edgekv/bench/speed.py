@@ -1,0 +1,228 @@
+"""Speed and memory: prefill tok/s, decode tok/s with a full against a compressed
+cache, time per compression event, compression overhead against prefill time,
+KV bytes and peak RSS.
+
+For each (model, cache type, context length):
+
+- ``oneshot``: prefill ``length`` tokens of real text once (full cache), decode
+  ``decode_tokens`` greedily on the full cache; then, for each method, restore
+  the prefill, compress once to ``(1 - ratio)`` of the cells (one timed event),
+  and decode the same number of tokens on the compressed cache.
+- ``stream`` (``--stream``): a bounded session, ``budget = (1 - ratio) x
+  length`` cells, ingests the same text in 256-token chunks, compressing
+  whenever the cache fills (llama.cpp's context shift runs with n_ctx = that
+  budget); reports the events, their mean time and their share of the ingest.
+
+Peak RSS is the process high-water mark (VmHWM), reset before each
+measurement through /proc/self/clear_refs where the kernel allows it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import EdgekvError
+
+SPEED_FILE = "speed.jsonl"
+
+
+@dataclass
+class SpeedGrid:
+    models: list[str | None] = field(default_factory=lambda: [None])
+    methods: list[str] = field(default_factory=lambda: ["full", "streaming_llm", "knorm"])
+    ratio: float = 0.75
+    lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
+    cache_types: list[str] = field(default_factory=lambda: ["f16"])
+    decode_tokens: int = 64
+    stream: bool = True
+    threads: int | None = None
+    out: Path = Path("bench/results")
+
+
+def _status(field_name: str) -> float:
+    """A VmXXX line of /proc/self/status in MiB (nan where there is no procfs)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def _reset_peak() -> None:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def long_text_tokens(model, n: int) -> list[int]:
+    """n tokens of continuous real text (the novels, from the beginning of Emma)."""
+    from . import text
+
+    paras = [p for b in text.BOOKS for p in text.books()[b]]
+    chars = n * 8  # English runs at about 4-5 characters per token
+    toks: list[int] = []
+    while len(toks) < n and chars < 20 * n:
+        toks = model.tokenize("\n\n".join(_prefix(paras, chars)), add_special=True)
+        chars *= 2
+    if len(toks) < n:
+        raise EdgekvError(f"not enough text for {n} tokens")
+    return toks[:n]
+
+
+def _prefix(paras: list[str], chars: int) -> list[str]:
+    out, total = [], 0
+    for p in paras:
+        if total >= chars:
+            break
+        out.append(p)
+        total += len(p) + 2
+    return out
+
+
+def _decode(sess, n: int) -> float:
+    """Greedy decode of n tokens (argmax fed back; no stop at end-of-text); tok/s."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        tok = int(np.argmax(sess.logits()))
+        sess.feed([tok])
+    return n / (time.perf_counter() - t0)
+
+
+def _replace(path: Path, rows: list[dict], key: Callable[[dict], tuple]) -> None:
+    from .runner import load_rows
+
+    keep = {key(r) for r in rows}
+    old = [r for r in load_rows(path) if key(r) not in keep]
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in old + rows:
+            f.write(json.dumps(r) + "\n")
+    tmp.replace(path)
+
+
+def _key(r: dict) -> tuple:
+    return (r["model"], r["cache_type"], r["length"], r["mode"], r["method"], r["ratio"])
+
+
+def run_speed(grid: SpeedGrid, log: Callable[[str], None] | None = None) -> Path:
+    from ..llama import Model
+    from ..methods import METHODS
+    from ..models import resolve_model
+    from ..session import Session
+    from .runner import _reset, _use_method, model_label
+
+    log = log or (lambda s: print(s, flush=True))
+    for m in grid.methods:
+        if m not in METHODS:
+            raise EdgekvError(f"unknown method {m!r}; available: {', '.join(METHODS)}")
+    if not 0.0 < grid.ratio < 1.0:
+        raise EdgekvError("--ratio must be in (0, 1)")
+    grid.out.mkdir(parents=True, exist_ok=True)
+    path = grid.out / SPEED_FILE
+    for model_arg in grid.models:
+        mpath = resolve_model(model_arg)
+        model = Model(mpath)
+        label = model_label(model_arg, mpath)
+        try:
+            for ct in grid.cache_types:
+                for length in grid.lengths:
+                    if model.arch.n_ctx_train and length > model.arch.n_ctx_train:
+                        log(f"skip {label} {length}: above the trained context {model.arch.n_ctx_train}")
+                        continue
+                    rows = _one(model, label, ct, length, grid, Session, METHODS, _reset, _use_method, log)
+                    _replace(path, rows, _key)
+        finally:
+            model.close()
+    return path
+
+
+def _one(model, label, ct, length, grid: SpeedGrid, Session, METHODS, _reset, _use_method, log) -> list[dict]:
+    toks = long_text_tokens(model, length)
+    base = {"model": label, "cache_type": ct, "length": length, "threads": grid.threads}
+    rows: list[dict] = []
+    n_ctx = length + grid.decode_tokens + 16
+    with Session(model, method="full", n_ctx=n_ctx, chunk=512, cache_type_k=ct, cache_type_v=ct,
+                 n_threads=grid.threads) as sess:
+        _reset_peak()
+        t0 = time.perf_counter()
+        sess.feed(toks)
+        prefill_s = time.perf_counter() - t0
+        saved = sess.save()
+        n_prompt = sess.engine.n_cells
+        per_cell = sess.stats.kv_bytes_per_cell
+        dec = _decode(sess, grid.decode_tokens)
+        rows.append({**base, "mode": "oneshot", "method": "full", "ratio": 0.0, "prefill_s": round(prefill_s, 3),
+                     "prefill_tok_s": round(length / prefill_s, 1), "decode_tok_s": round(dec, 2),
+                     "cells": n_prompt, "kv_bytes": n_prompt * per_cell, "kv_bytes_allocated": n_ctx * per_cell,
+                     "peak_rss_mib": round(_status("VmHWM"), 1)})
+        log(f"{label} {ct} {length}: prefill {length / prefill_s:.0f} tok/s, full-cache decode {dec:.1f} tok/s, "
+            f"KV {n_prompt * per_cell / 2**20:.1f} MiB")
+        target = max(1, math.floor(n_prompt * (1 - grid.ratio)))
+        for m in grid.methods:
+            cls = METHODS[m]
+            if not cls.compresses or getattr(cls, "shifts_positions", False):
+                continue
+            sess.restore(saved)
+            _use_method(sess, m, grid.ratio)
+            _reset_peak()
+            t0 = time.perf_counter()
+            try:
+                sess.compress(target)
+            except EdgekvError as e:
+                log(f"  {m}: {e}")
+                continue
+            cs = time.perf_counter() - t0
+            cells = sess.engine.n_cells
+            sess.feed([toks[-1]])  # logits to continue from (a restore drops them)
+            dec = _decode(sess, grid.decode_tokens)
+            rows.append({**base, "mode": "oneshot", "method": m, "ratio": grid.ratio, "cells": cells,
+                         "kv_bytes": cells * per_cell, "compress_s": round(cs, 4), "compressions": 1,
+                         "overhead_pct": round(100 * cs / prefill_s, 2), "decode_tok_s": round(dec, 2),
+                         "prefill_s": round(prefill_s, 3), "peak_rss_mib": round(_status("VmHWM"), 1)})
+            log(f"  {m}@{grid.ratio:g}: compress {cs * 1000:.0f} ms ({100 * cs / prefill_s:.1f}% of prefill), "
+                f"{cells} cells, decode {dec:.1f} tok/s")
+    if not grid.stream:
+        return rows
+    budget = max(64, math.floor(length * (1 - grid.ratio)))
+    for m in grid.methods:
+        cls = METHODS[m]
+        if not cls.compresses:
+            continue
+        shift = getattr(cls, "shifts_positions", False)
+        kw = {"n_ctx": budget + 256} if shift else {"budget": budget, "n_ctx": budget + 256}
+        try:
+            sess = Session(model, method=m, chunk=256, cache_type_k=ct, cache_type_v=ct,
+                           n_threads=grid.threads, **kw)
+        except EdgekvError as e:
+            log(f"  stream {m}: {e}")
+            continue
+        with sess:
+            _reset_peak()
+            t0 = time.perf_counter()
+            sess.feed(toks)
+            total = time.perf_counter() - t0
+            s = sess.stats
+            dec = _decode(sess, grid.decode_tokens)
+            ev = max(s.compressions, 1)
+            rows.append({**base, "mode": "stream", "method": m, "ratio": grid.ratio, "budget": budget,
+                         "n_ctx": sess.capacity, "cells": s.cells, "kv_bytes": s.cells * s.kv_bytes_per_cell,
+                         "kv_bytes_allocated": sess.capacity * s.kv_bytes_per_cell,
+                         "prefill_s": round(total, 3), "prefill_tok_s": round(length / total, 1),
+                         "compressions": s.compressions, "compress_s": round(s.compress_seconds / ev, 4),
+                         "compress_total_s": round(s.compress_seconds, 3),
+                         "overhead_pct": round(100 * s.compress_seconds / total, 2),
+                         "decode_tok_s": round(dec, 2), "peak_rss_mib": round(_status("VmHWM"), 1)})
+            log(f"  stream {m} (n_ctx {sess.capacity}): {length / total:.0f} tok/s ingest, {s.compressions} events, "
+                f"{1000 * s.compress_seconds / ev:.0f} ms each ({100 * s.compress_seconds / total:.1f}% of ingest), "
+                f"decode {dec:.1f} tok/s")
+    return rows

@@ -1,0 +1,357 @@
+"""LagKV (shared/papers/lagkv.txt; spec: shared/methods/lagkv.md).
+
+Per (layer, KV head): the first ``sinks`` tokens stay; the rest of the
+sequence is cut, on ORIGINAL token positions, into partitions of ``L`` tokens,
+partition p = [S + pL, S + (p+1)L). A partition is scored once, against the
+partition that follows it (the "lag" reference): every channel is min-max
+normalised with the reference's per-channel min and max (Eqs. 5-7), each token
+gets the standard deviation of its normalised vector across channels
+(unbiased, as the authors' code), a softmax over the partition's L tokens
+turns that into a score (Eq. 8), and the key and value scores are added
+(Eq. 9). The top floor(r*L) tokens of the partition stay. The last complete
+partition has no reference, so it and the remainder (< L tokens) form the
+window of L..2L-1 recent tokens.
+
+Incremental and stateless. A partition is compressed once, when its successor
+is complete, and never rescored by the paper step. Which partitions are
+already compressed is read from ``snap.token_pos`` alone: the newest tokens
+are held intact (every position present in every head) back to some
+position; partitions that start at or after it are uncompressed, those before
+it are done. So save/restore and session files need no extra state, and the
+kept set after any number of incremental steps equals a one-shot pass over
+the same K/V (spec section 2.9).
+
+Budget conventions (session.py):
+
+- ratio mode (``--ratio R``, fraction removed): the paper's method, r = 1 - R.
+  Compressions follow LagKV's own schedule (``due``: whenever a partition's
+  successor completes) and ignore the session's target, so the cache grows as
+  Eq. 10 says. Only when the cache is full (the session calls ``select``
+  without ``due`` having asked for it) is the target enforced, as below.
+- budget mode (``--budget N``): r is the method's own field. The paper step
+  runs whenever the cache exceeds N (lazily: until then nothing is lost).
+  If the cache is still above N after it, the compressed partitions shrink
+  uniformly ("water-filling"): every compressed partition keeps the same
+  number of tokens, the fullest lose first, ties cost the OLDEST partition a
+  token first. Inside a partition the survivors are re-ranked by Eqs. 5-9
+  applied to the survivors, against the survivors of the next partition (the
+  complete first window partition for the newest one). This keeps LagKV's
+  uniform allocation over the whole history, as if r had been smaller, rather
+  than forgetting old partitions wholesale. The shrink leaves room for the
+  tokens until the next paper step (at most 2L), so compactions stay once per
+  L tokens instead of once per token. N must hold the sinks and the window
+  (N >= S + 2L - 1), which ``bind`` checks.
+- a target below sinks + window (only an explicit ``Session.compress(target)``
+  or a ratio-mode full cache can ask for one): once the compressed partitions
+  are empty, the window gives up its oldest tokens (StreamingLLM), keeping the
+  ``window`` newest cells; below sinks + window it is a BudgetError.
+
+NaN policy: the reference code divides by max - min with no guard. Here the
+denominator is max(max - min, 1e-6) (the spec's recommendation): a channel
+that is constant over the reference contributes 0 for tokens equal to that
+constant and a large value for tokens that deviate from it (the limit the
+equation tends to), so scores stay finite. Non-finite K/V (never produced by
+llama.cpp) rank lowest. Ties go to the earlier token.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit
+
+from ..errors import BudgetError
+from ..kvcache.engine import KVSnapshot
+from .base import Method
+
+EPS = 1e-6
+_CLASS = np.int64(1) << 50  # rank classes in the shrink key (protected > window > compressed)
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis; -inf entries get 0; an all -inf row gets all 0."""
+    m = np.max(x, axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(x - m)
+    tot = e.sum(axis=-1, keepdims=True)
+    return np.where(tot > 0, e / np.where(tot > 0, tot, 1.0), 0.0)
+
+
+@njit(cache=True)
+def _channel_std(cur, mn, inv, ddof):  # pragma: no cover - compiled
+    """std over channels of (cur - mn) * inv: cur [G, W, d], mn/inv [G, d] -> [G, W] (float64)."""
+    n_g, n_w, d = cur.shape
+    out = np.empty((n_g, n_w))
+    z = np.empty(d)
+    for g in range(n_g):
+        for w in range(n_w):
+            m = 0.0
+            for c in range(d):
+                z[c] = (cur[g, w, c] - mn[g, c]) * inv[g, c]
+                m += z[c]
+            m /= d
+            v = 0.0
+            for c in range(d):
+                v += (z[c] - m) * (z[c] - m)
+            out[g, w] = np.sqrt(v / (d - ddof))
+    return out
+
+
+def _ref_range(ref: np.ndarray, mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Eqs. 5-6: per-channel min and max over the reference tokens (axis -2), float64.
+
+    With a mask (padded groups), an empty reference gives (nan, nan): its
+    group then scores uniformly."""
+    if mask is None:
+        return ref.min(axis=-2).astype(np.float64), ref.max(axis=-2).astype(np.float64)
+    rm = mask[..., None]
+    has = mask.any(axis=-1)[..., None]
+    mn = np.where(has, np.where(rm, ref, np.inf).min(axis=-2), np.nan)
+    mx = np.where(has, np.where(rm, ref, -np.inf).max(axis=-2), np.nan)
+    return mn.astype(np.float64), mx.astype(np.float64)
+
+
+def _scores(cur: np.ndarray, mn: np.ndarray, mx: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+    """Eqs. 7-8: cur [..., W, d] normalised by mn/mx [..., d] -> softmax over W of the channel std."""
+    empty = np.isnan(mn).all(axis=-1)  # no reference: uniform scores
+    mn = np.where(empty[..., None], 0.0, mn)
+    inv = 1.0 / np.maximum(np.where(empty[..., None], 1.0, mx - mn), EPS)  # NaN-safe: constant channels
+    *lead, w, d = cur.shape
+    sd = _channel_std(np.ascontiguousarray(cur.reshape(-1, w, d)), mn.reshape(-1, d),
+                      inv.reshape(-1, d), 1 if d > 1 else 0).reshape(*lead, w)
+    sd = np.where(empty[..., None], 0.0, sd)
+    sd = np.where(np.isnan(sd), -np.inf, sd)  # only from non-finite K/V: rank lowest
+    if mask is not None:
+        sd = np.where(mask, sd, -np.inf)
+    return _softmax(sd)
+
+
+def lag_scores(cur: np.ndarray, ref: np.ndarray, cur_mask: np.ndarray | None = None,
+               ref_mask: np.ndarray | None = None) -> np.ndarray:
+    """Eqs. 5-8 for one stream (K or V): ``cur`` [..., W, d] against ``ref`` [..., Wr, d].
+
+    Returns the softmax scores [..., W] in float64 (each row sums to 1 over
+    its valid tokens). Masks mark the valid rows of padded groups; padding
+    scores 0. A group whose reference is empty scores uniformly.
+    """
+    cur, ref = np.asarray(cur), np.asarray(ref)
+    return _scores(cur, *_ref_range(ref, ref_mask), cur_mask)
+
+
+def partition_scores(z: np.ndarray, L: int) -> np.ndarray:
+    """Scores of consecutive partitions of one stream: ``z`` [P*L, H, d] -> [H, P-1, L].
+
+    Partition p (rows pL..pL+L-1) is scored against partition p+1.
+    """
+    n, h, d = z.shape
+    blocks = np.asarray(z).reshape(n // L, L, h, d).transpose(2, 0, 1, 3)  # [H, P, L, d]
+    return lag_scores(blocks[:, :-1], blocks[:, 1:])
+
+
+def retained_cells(n_tokens: int, sinks: int, L: int, k: int) -> int:
+    """Eq. 10: cells LagKV holds after seeing n_tokens (k = tokens kept per partition)."""
+    if n_tokens < sinks + 2 * L:
+        return n_tokens
+    u = n_tokens - sinks
+    return sinks + k * (u // L - 1) + L + u % L
+
+
+def _intact_start(tp: np.ndarray, T: int) -> int:
+    """Smallest position P such that every head holds every token in [P, T)."""
+    n = tp.shape[-1]
+    s = (tp - np.arange(n) == T - n).sum(axis=-1)  # length of each head's intact suffix
+    return T - int(s.min())
+
+
+@dataclass
+class LagKV(Method):
+    """LagKV (lag-relative information): each partition of L tokens is scored
+    against the next one, per (layer, KV head), from K and V alone; the top
+    r*L tokens per partition are kept. Sinks + the last L..2L-1 tokens stay."""
+
+    name = "lagkv"
+    summary = "lag-relative K/V statistics, per-partition top r*L (LagKV 2025); incremental"
+
+    sinks: int = 16
+    window: int = 32  # newest cells a too-small target can never take (LagKV's own window is L..2L-1)
+    L: int = 128
+    r: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.L, int) or self.L < 1:
+            raise ValueError(f"L (partition length) must be a positive integer, got {self.L!r}")
+        if not 0.0 <= float(self.r) <= 1.0:
+            raise ValueError(f"r (fraction kept per partition) must be in [0, 1], got {self.r!r}")
+        if self.sinks < 0 or self.window < 0:
+            raise ValueError("sinks and window must be >= 0")
+        # Set by bind/due/select; never needed for correctness (see the module docstring).
+        self._budget: int | None = None
+        self._r: float | None = None
+        self._scheduled = False  # the last due() asked for this compression
+        self._due_in = 0  # tokens until the next partition's successor completes
+
+    # -- budget rule -----------------------------------------------------------
+    @property
+    def keep_per_partition(self) -> int:
+        """k = floor(r * L), r from --ratio (r = 1 - R) when the session gave one."""
+        r = self.r if self._r is None else self._r
+        return min(self.L, max(0, math.floor(r * self.L + 1e-9)))
+
+    def bind(self, budget: int | None, ratio: float | None) -> None:
+        self._budget = budget
+        self._r = None if ratio is None else 1.0 - ratio
+        self._scheduled = False
+        self._due_in = 0
+        need = self.sinks + 2 * self.L - 1
+        if budget is not None and budget < need:
+            raise BudgetError(
+                f"--budget {budget} cannot hold lagkv's {self.sinks} sinks + window of up to "
+                f"{2 * self.L - 1} tokens (L={self.L}): use --budget >= {need} or a smaller L (--param L=...)"
+            )
+
+    def due(self, tokens_since_compress: int, n_cells: int) -> bool:
+        if self._budget is not None:
+            fire = n_cells > self._budget
+        elif self.keep_per_partition >= self.L:
+            fire = False  # r = 1: the paper step never removes anything
+        else:
+            # Two complete partitions after the sinks is necessary; _due_in (from
+            # the last selection) says when the next successor completes.
+            fire = n_cells >= self.sinks + 2 * self.L and tokens_since_compress >= self._due_in
+        self._scheduled = fire
+        return fire
+
+    # -- selection -------------------------------------------------------------
+    def step(self, snap: KVSnapshot) -> np.ndarray:
+        """The paper's incremental step alone: compress every uncompressed
+        partition whose successor is complete. int [L, H, B], ascending."""
+        tp = snap.token_pos.astype(np.int64)
+        return self._step(snap, tp, int(tp[..., -1].max()) + 1)[0]
+
+    def _frontier(self, tp: np.ndarray, T: int) -> int:
+        """Index of the first uncompressed partition (clipped to the complete ones)."""
+        n_full = max(0, (T - self.sinks) // self.L)
+        start = _intact_start(tp, T) - self.sinks
+        return min(n_full, max(0, -(-start // self.L)))
+
+    def _step(self, snap: KVSnapshot, tp: np.ndarray, T: int) -> tuple[np.ndarray, int]:
+        n_layer, n_head, n = tp.shape
+        S, L, k = self.sinks, self.L, self.keep_per_partition
+        n_full = max(0, (T - S) // L)
+        f = self._frontier(tp, T)
+        q = n_full - 1 - f  # partitions to compress now, each against its successor
+        if q <= 0:
+            return np.broadcast_to(np.arange(n), (n_layer, n_head, n)).copy(), f
+        c0 = n - (T - (S + f * L))  # cell of position S + fL (same in every head: intact tail)
+        span = slice(c0, c0 + (q + 1) * L)
+        sel = np.empty((n_layer, n_head, q, k), dtype=np.int64)
+        off = c0 + L * np.arange(q)[:, None]
+        for layer in range(n_layer):
+            s = 0.0
+            for z in (snap.keys(layer)[span], snap.values(layer)[span]):
+                blocks = z.reshape(q + 1, L, n_head, -1).transpose(2, 0, 1, 3)  # [H, q+1, L, d]
+                s = s + lag_scores(blocks[:, :-1], blocks[:, 1:])
+            top = np.argsort(-s, axis=-1, kind="stable")[..., :k]  # ties: earlier token
+            sel[layer] = np.sort(top, axis=-1) + off
+        head = np.broadcast_to(np.arange(c0), (n_layer, n_head, c0))
+        tail = np.broadcast_to(np.arange(c0 + q * L, n), (n_layer, n_head, n - c0 - q * L))
+        return np.concatenate([head, sel.reshape(n_layer, n_head, q * k), tail], axis=2), f + q
+
+    def _survivor_ranks(self, snap: KVSnapshot, keep: np.ndarray, tp: np.ndarray, f: int, T: int) -> np.ndarray:
+        """Rank (0 = best) of each surviving token of compressed partitions 0..f-1
+        inside its partition, by Eqs. 5-9 applied to the survivors against the
+        survivors of the next partition (for partition f-1: the intact window
+        partition f, its original reference). int [L, H, n]; -1 elsewhere."""
+        n_layer, n_head, n = tp.shape
+        S, L = self.sinks, self.L
+        g = np.where((tp >= S) & (tp < S + f * L), (tp - S) // L, -1)
+        j = np.arange(n)
+        start = np.ones_like(g, dtype=bool)
+        start[..., 1:] = g[..., 1:] != g[..., :-1]
+        pos_in = j - np.maximum.accumulate(np.where(start, j, 0), axis=-1)
+        width = int(pos_in[g >= 0].max()) + 1
+        # Partition f lies in the intact tail: the same cells in every head.
+        p0 = S + f * L
+        last = slice(n - (T - p0), n - (T - min(T, p0 + L)))
+        rho = np.full(tp.shape, -1, dtype=np.int64)
+        for layer in range(n_layer):
+            hh, jj = np.nonzero(g[layer] >= 0)
+            gg, pp = g[layer][hh, jj], pos_in[layer][hh, jj]
+            cells = keep[layer][hh, jj]
+            mask = np.zeros((n_head, f, width), dtype=bool)
+            mask[hh, gg, pp] = True
+            s = 0.0
+            for z in (snap.keys(layer), snap.values(layer)):
+                pad = np.zeros((n_head, f, width, z.shape[2]), dtype=z.dtype)
+                pad[hh, gg, pp] = z[cells, hh]
+                mn, mx = _ref_range(pad[:, 1:], mask[:, 1:])  # [H, f-1, d]
+                ref = z[keep[layer][0, last]].transpose(1, 0, 2)  # [H, <=L, d]
+                if ref.shape[1]:
+                    mn_f, mx_f = _ref_range(ref)
+                else:
+                    mn_f = mx_f = np.full((n_head, z.shape[2]), np.nan)
+                mn = np.concatenate([mn, mn_f[:, None]], axis=1)
+                mx = np.concatenate([mx, mx_f[:, None]], axis=1)
+                s = s + _scores(pad, mn, mx, mask)
+            s = np.where(mask, s, -np.inf)
+            order = np.argsort(-s, axis=-1, kind="stable")
+            rank = np.empty_like(order)
+            np.put_along_axis(rank, order, np.broadcast_to(np.arange(width), order.shape), axis=-1)
+            rho[layer][hh, jj] = rank[hh, gg, pp]
+        return rho
+
+    def _shrink(self, snap: KVSnapshot, keep: np.ndarray, tp: np.ndarray, f: int, T: int,
+                goal: int) -> np.ndarray:
+        """Bring [L, H, n] kept cells down to ``goal`` per head (module docstring)."""
+        n = keep.shape[2]
+        S, L = self.sinks, self.L
+        j = np.arange(n)
+        prot = (tp < S) | (j >= n - max(self.window, 1))
+        need = int(prot.sum(axis=-1).max())
+        if goal < need:
+            raise BudgetError(
+                f"budget {goal} is below the {need} cells {self.name} always keeps "
+                f"(sinks={self.sinks}, window={self.window})"
+            )
+        bound = S + f * L
+        comp = (tp >= S) & (tp < bound)
+        key = np.where(prot, 3 * _CLASS, np.where(tp >= bound, 2 * _CLASS + tp, 0))
+        if f and comp.any():
+            rho = self._survivor_ranks(snap, keep, tp, f, T)
+            # Water-filling as one sort: rank level first, then the newer partition.
+            key = np.where(comp & ~prot, _CLASS - rho * (f + 1) + (tp - S) // L, key)
+        top = np.sort(np.argsort(-key, axis=-1, kind="stable")[..., :goal], axis=-1)
+        return np.take_along_axis(keep, top, axis=-1)
+
+    def select(self, snap: KVSnapshot, budget: int) -> np.ndarray:
+        n = snap.n_cells
+        scheduled, self._scheduled = self._scheduled, False
+        if budget >= n:
+            return np.broadcast_to(np.arange(n), (snap.n_layer, snap.n_kv_head, n)).copy()
+        tp = snap.token_pos.astype(np.int64)
+        T = int(tp[..., -1].max()) + 1
+        keep, f = self._step(snap, tp, T)
+        n1 = keep.shape[2]
+        # A compression LagKV scheduled itself (ratio mode) is the paper step only;
+        # otherwise (budget mode, full cache, explicit target) the target holds.
+        enforce = self._budget is not None or not scheduled
+        if enforce:
+            tp1 = np.take_along_axis(tp, keep, axis=-1)
+            goal = budget
+            if self._budget is not None and budget == self._budget:
+                # Budget mode: also make room for the tokens until the next paper
+                # step, from the compressed partitions only (never the window).
+                # The cache would reach the budget before then anyway, and the
+                # survivors' ranks do not change in between, so these are the
+                # tokens later shrinks would take: same cache, one compaction
+                # per L tokens instead of one per token.
+                window = T - (self.sinks + f * self.L)
+                floor = n1 - int(((tp1 >= self.sinks) & (tp1 < self.sinks + f * self.L)).sum(-1).min())
+                goal = max(budget - (2 * self.L - window), min(budget, floor))
+            if n1 > goal:
+                keep = self._shrink(snap, keep, tp1, f, T, goal)
+        tp_new = np.take_along_axis(tp, keep, axis=-1)
+        self._due_in = self.sinks + (self._frontier(tp_new, T) + 2) * self.L - T
+        return keep

@@ -1,0 +1,271 @@
+"""The benchmark suite: task generators, scoring, the text source, and a tiny
+end-to-end sweep (quality + speed + report) on the real default model."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from edgekv.bench import scoring, tasks
+from edgekv.errors import EdgekvError
+
+
+@pytest.fixture(scope="module", autouse=True)
+def austen_text():
+    """The haystack text (Debian's r-cran-janeaustenr); unpacked into the cache if not installed."""
+    from edgekv.bench import text
+
+    if not text.available():
+        try:
+            text.fetch()
+        except EdgekvError as e:  # pragma: no cover - depends on the machine
+            pytest.skip(f"benchmark text unavailable: {e}")
+    return text
+
+
+def words(s: str) -> int:
+    return len(s.split())
+
+
+# ---------------------------------------------------------------------------
+# text source
+
+
+def test_austen_text_is_read_without_r(austen_text) -> None:
+    b = austen_text.books()
+    assert set(b) == set(austen_text.BOOKS)
+    assert b["emma"][0].startswith("Emma Woodhouse, handsome, clever, and rich")
+    assert b["prideprejudice"][0].startswith("It is a truth universally acknowledged")
+    assert sum(len(p.split()) for ps in b.values() for p in ps) > 600_000
+    assert not any("_" in p for p in b["emma"][:200])  # italics marks are stripped
+    sents = austen_text.sentences()
+    assert len(sents) > 20_000 and not any(s.endswith(" Mr.") for s in sents[:5000])
+
+
+def test_r_reader_parses_a_crafted_serialisation() -> None:
+    import struct
+
+    from edgekv.bench.text import _unserialize
+
+    def i(v: int) -> bytes:
+        return struct.pack(">i", v)
+
+    def charsxp(s: str) -> bytes:
+        b = s.encode()
+        return i(9 | (64 << 12)) + i(len(b)) + b
+
+    # list(a = c("x", NA), b = 1:2) as XDR version 3.
+    names = i(16) + i(2) + charsxp("a") + charsxp("b")
+    attr = i(2 | (1 << 10)) + i(1) + charsxp("names") + names + i(254)
+    body = (i(19 | (1 << 9)) + i(2) + i(16) + i(2) + charsxp("x") + i(9) + i(-1)
+            + i(13) + i(2) + i(1) + i(2) + attr)
+    blob = b"X\n" + i(3) + i(0x040202) + i(0x030500) + i(5) + b"UTF-8" + body
+    assert _unserialize(blob) == {"a": ["x", None], "b": [1, 2]}
+    with pytest.raises(EdgekvError):
+        _unserialize(b"A\n" + blob[2:])
+
+
+# ---------------------------------------------------------------------------
+# generators
+
+
+@pytest.mark.parametrize("task", tasks.TASKS)
+def test_generators_are_deterministic(task: str) -> None:
+    a = tasks.make_sample(task, 1024, 7, 3, words)
+    b = tasks.make_sample(task, 1024, 7, 3, words)
+    assert a == b
+    assert tasks.build_prompt(a) == tasks.build_prompt(b)
+    # Another seed or index gives another sample.
+    assert tasks.make_sample(task, 1024, 8, 3, words).context != a.context
+    assert tasks.make_sample(task, 1024, 7, 4, words).context != a.context
+
+
+@pytest.mark.parametrize("task", ["passkey", "niah_single", "niah_multikey", "niah_multivalue"])
+@pytest.mark.parametrize("length", [512, 2048])
+def test_needle_answers_appear_exactly_once(task: str, length: int) -> None:
+    for i in range(5):
+        s = tasks.make_sample(task, length, 0, i, words)
+        assert s.answers and len(set(s.answers)) == len(s.answers)
+        for ans in s.answers:
+            assert len(re.findall(rf"(?<!\d){ans}(?!\d)", s.body)) == 1, (task, i, ans)
+            assert ans not in s.question + s.answer_prefix
+        # Whole prompt within the length, answer budget included.
+        p = tasks.build_prompt(s)
+        assert words(p.context) + words(p.query) + s.max_new_tokens <= length
+        assert words(p.context) > 0.7 * length
+        if task == "niah_multikey":  # the distractors are there, with their own numbers
+            assert all(f"numbers for {k} is:" in s.body for k in s.meta["keys"])
+        if task != "passkey":
+            assert all(0.0 <= d <= 1.0 for d in s.meta["depths"])
+
+
+def test_variable_tracking_chain_is_complete_and_unique() -> None:
+    for i in range(5):
+        s = tasks.make_sample("vt", 1024, 0, i, words)
+        value = s.meta["value"]
+        assert len(re.findall(rf"(?<!\d){value}(?!\d)", s.body)) == 1
+        assert len(s.answers) == s.meta["hops"] + 1
+        first, *rest = s.answers
+        assert s.body.count(f"VAR {first} = {value}.") == 1
+        prev = first
+        for v in rest:  # each variable is assigned exactly once, from the previous one, in order
+            assert len(re.findall(rf"VAR {v} =", s.body)) == 1
+            assert s.body.index(f"VAR {v} = VAR {prev}.") > s.body.index(f"VAR {prev} =")
+            prev = v
+
+
+def test_common_words_frequencies() -> None:
+    for length in (1024, 4096):
+        s = tasks.make_sample("cwe", length, 0, 0, words)
+        entries = re.findall(r"\d+\. ([a-z]+)", s.context)
+        counts = Counter(entries)
+        assert [n for n in range(1, len(entries) + 1)] == [int(x) for x in re.findall(r"(\d+)\. ", s.context)]
+        for w in s.answers:
+            assert counts[w] == s.meta["freq_cw"]
+        others = [c for w, c in counts.items() if w not in s.answers]
+        assert others and max(others) == s.meta["freq_ucw"] < s.meta["freq_cw"]
+
+
+def test_ppl_sample_is_a_contiguous_passage(austen_text) -> None:
+    s = tasks.make_sample("ppl", 1024, 0, 0, words)
+    paras = austen_text.books()[s.meta["book"]]
+    assert s.context.startswith(paras[s.meta["paragraph"]])
+    assert words(s.context) >= 1024 + s.meta["eval_tokens"]
+
+
+def test_query_aware_and_chat_prompts() -> None:
+    s = tasks.make_sample("niah_single", 1024, 0, 0, words)
+    agn = tasks.build_prompt(s)
+    aware = tasks.build_prompt(s, query_aware=True)
+    assert s.question not in agn.context and s.question in agn.query
+    assert aware.context.startswith(s.question) and aware.query == agn.query
+    chat = tasks.build_prompt(s, frame=("<user>", "</user><assistant>"))
+    assert chat.context.startswith("<user>") and chat.query.endswith("</user><assistant>" + s.answer_prefix)
+
+
+def test_bad_task_and_length() -> None:
+    with pytest.raises(EdgekvError, match="unknown task"):
+        tasks.make_sample("nope", 1024, 0, 0, words)
+    with pytest.raises(EdgekvError, match="too short"):
+        tasks.make_sample("vt", 64, 0, 0, words)
+
+
+# ---------------------------------------------------------------------------
+# scoring
+
+
+@pytest.mark.parametrize(("task", "refs", "pred", "want"), [
+    ("passkey", ("12345",), " 12345.", 1.0),
+    ("passkey", ("12345",), " 54321.", 0.0),
+    ("passkey", ("12345",), " 123456", 0.0),  # the answer inside a longer number is wrong
+    ("passkey", ("12345",), " 11111 or 12345", 0.0),  # the first number given counts
+    ("passkey", ("12345",), " a secret", 0.0),
+    ("niah_single", ("9479738",), " 9479738.", 1.0),
+    ("niah_single", ("9479738",), " 947.", 0.0),
+    ("niah_multikey", ("5428250",), " 6407701.", 0.0),  # a distractor's number
+    ("niah_multikey", ("5428250",), ": 5428250\n", 1.0),
+    ("niah_multivalue", ("111", "222", "333", "444"), " 111, 222, 333 and 444.", 1.0),
+    ("niah_multivalue", ("111", "222", "333", "444"), " 222 and 444", 0.5),
+    ("niah_multivalue", ("111", "222", "333", "444"), " 1112, 2223", 0.0),
+    ("vt", ("ABCDE", "FGHIJ", "KLMNO", "PQRST", "UVWXY"), " ABCDE, FGHIJ, KLMNO, PQRST, UVWXY", 1.0),
+    ("vt", ("ABCDE", "FGHIJ", "KLMNO", "PQRST", "UVWXY"), " ABCDE, FGHIJ, XXXXX", 0.4),
+    ("vt", ("ABCDE", "FGHIJ"), " ABCDEF", 0.0),
+    ("cwe", ("party", "music", "garden", "letter"), " 1. Party 2. music 3. letters", 0.5),
+    ("cwe", ("art",), " party", 0.0),
+    ("cwe", ("party", "music"), "", 0.0),
+])
+def test_scoring(task: str, refs: tuple[str, ...], pred: str, want: float) -> None:
+    assert scoring.score(task, pred, refs) == pytest.approx(want)
+
+
+def test_log_softmax_and_perplexity() -> None:
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=50).astype(np.float32) * 10
+    ref = logits - np.log(np.exp(logits.astype(np.float64)).sum())
+    for t in (0, 7, 49):
+        assert scoring.log_softmax_at(logits, t) == pytest.approx(ref[t], abs=1e-5)
+    assert scoring.perplexity(2 * math.log(3.0), 2) == pytest.approx(3.0)
+
+
+# ---------------------------------------------------------------------------
+# end to end on the real default model
+
+
+@pytest.mark.slow
+def test_tiny_sweep_end_to_end(smollm2_path, tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from edgekv.bench.cli import bench_app
+    from edgekv.bench.report import write_report
+    from edgekv.bench.runner import RESULTS_FILE, Grid, load_rows, run_quality
+    from edgekv.bench.speed import SpeedGrid, run_speed
+
+    grid = Grid(models=[str(smollm2_path)], methods=["full", "knorm"], ratios=[0.5], lengths=[384],
+                tasks=["niah_single", "ppl"], n=2, eval_tokens=8, threads=2, out=tmp_path)
+    path = run_quality(grid, log=lambda s: None)
+    rows = load_rows(path)
+    assert len(rows) == 2 * 2 * 2  # tasks x samples x (full + knorm@0.5)
+    for r in rows:
+        assert r["score"] is not None and r["prompt_tokens"] > 250
+        if r["method"] == "knorm":
+            assert r["cells"] == r["prompt_tokens"] // 2 and r["kv_bytes"] < r["prompt_tokens"] * 1e5
+        if r["task"] == "ppl":
+            assert 1.0 < r["score"] < 1e4 and r["n_eval"] == 8
+        else:
+            assert r["score"] in (0.0, 1.0) and r["answers"]
+    # The full cache finds a needle at this length.
+    assert any(r["score"] == 1.0 for r in rows if r["task"] == "niah_single" and r["method"] == "full")
+    # Resumable: a second run adds nothing; a torn last line is ignored.
+    with open(path, "a") as f:
+        f.write('{"model": "torn')
+    run_quality(grid, log=lambda s: None)
+    assert len(load_rows(path)) == len(rows)
+
+    sp = run_speed(SpeedGrid(models=[str(smollm2_path)], methods=["full", "knorm"], ratio=0.5, lengths=[256],
+                             decode_tokens=4, stream=True, threads=2, out=tmp_path), log=lambda s: None)
+    srows = load_rows(sp)
+    modes = {(r["mode"], r["method"]) for r in srows}
+    assert modes == {("oneshot", "full"), ("oneshot", "knorm"), ("stream", "knorm")}
+    for r in srows:
+        assert r["decode_tok_s"] > 0 and r["kv_bytes"] > 0
+    md, plots = write_report(tmp_path)
+    text = md.read_text()
+    assert "| knorm | 0.5 |" in text and "NIAH-1" in text and "PPL" in text and "decode tok/s" in text
+    assert {p.name.split("_")[0] for p in plots} == {"accuracy", "decode"}
+    assert all(p.stat().st_size > 1000 for p in plots)
+
+    res = CliRunner().invoke(bench_app, ["report", str(tmp_path)])
+    assert res.exit_code == 0 and "knorm" in res.output
+    res = CliRunner().invoke(bench_app, ["quality", "--tasks", "nope", "--out", str(tmp_path)])
+    assert res.exit_code == 2 and "unknown task" in res.output
+    assert json.loads((tmp_path / "grid.json").read_text())["methods_resolved"] == ["full", "knorm"]
+    assert (tmp_path / RESULTS_FILE).is_file()
+
+
+@pytest.mark.slow
+def test_batched_scoring_matches_token_by_token(smollm2) -> None:
+    """ppl scores a whole continuation in one batch; it must equal feeding it token by token."""
+    from edgekv.bench.runner import _feed_logits
+    from edgekv.session import Session
+
+    toks = smollm2.tokenize("Emma Woodhouse, handsome, clever, and rich, with a comfortable home and happy "
+                            "disposition, seemed to unite some of the best blessings of existence. " * 3)
+    ctx, ev = toks[:40], toks[40:52]
+    with Session(smollm2, method="full", n_ctx=128, chunk=64, n_threads=2) as s:
+        s.feed(ctx)
+        saved = s.save()
+        batched = [lg.copy() for lg in _feed_logits(s, ev)]
+        assert s.n_past == len(ctx) + len(ev) and s.engine.n_cells == s.n_past
+        s.restore(saved)
+        single = []
+        for t in ev:
+            s.feed([t])
+            single.append(s.logits())
+    for a, b in zip(batched, single, strict=True):
+        assert np.argmax(a) == np.argmax(b)
+        assert np.abs(a - b).max() < 0.05
