@@ -75,7 +75,11 @@ def run_model(model_arg: str, a: argparse.Namespace) -> tuple[str, list[dict]]:
             comp_s = time.perf_counter() - t1
             kept = sess.engine.n_cells
             sess.feed(q)
-            out = "".join(sess.generate(8))
+            out = ""
+            for piece in sess.generate(8):  # stops early once a 5-digit answer is out
+                out += piece
+                if re.search(r"\d{5}", out):
+                    break
             got = re.findall(r"\d{5}", out)
             rows.append({"model": path.name, "sample": i, "method": method.name, **info,
                          "prompt_tokens": n_prompt, "cells": kept, "kept": kept / n_prompt,

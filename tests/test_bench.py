@@ -192,6 +192,26 @@ def test_log_softmax_and_perplexity() -> None:
     assert scoring.perplexity(2 * math.log(3.0), 2) == pytest.approx(3.0)
 
 
+def test_grid_plan_and_resume_keys(tmp_path) -> None:
+    from edgekv.bench.runner import Grid, _evals, load_rows, plan, row_key
+
+    g = Grid(tasks=["niah_single", "ppl"], n=3, n_ppl=1, methods=["full", "knorm"], ratios=[0.5, 0.75])
+    # Sample-major: a sweep stopped early has every task.
+    assert [(t, i) for _, _, _, t, i in plan(g)] == [("niah_single", 0), ("ppl", 0), ("niah_single", 1),
+                                                    ("niah_single", 2)]
+    assert _evals(g.method_names(), g.ratios) == [("full", 0.0), ("knorm", 0.5), ("knorm", 0.75)]
+    with pytest.raises(EdgekvError, match="unknown method"):
+        Grid(methods=["nope"]).validate()
+    with pytest.raises(EdgekvError, match="ratios"):
+        Grid(ratios=[1.5]).validate()
+    base = {"model": "m", "cache_type": "f16", "task": "vt", "length": 1024, "seed": 0, "protocol": "agnostic",
+            "template": "chat", "sample": 3, "method": "knorm", "ratio": 0.5}
+    assert row_key(base) != row_key({**base, "ratio": 0.75}) != row_key({**base, "cache_type": "q8_0"})
+    f = tmp_path / "r.jsonl"
+    f.write_text(json.dumps(base) + "\n\n" + '{"torn": ')
+    assert load_rows(f) == [base]
+
+
 # ---------------------------------------------------------------------------
 # end to end on the real default model
 
@@ -206,7 +226,7 @@ def test_tiny_sweep_end_to_end(smollm2_path, tmp_path) -> None:
     from edgekv.bench.speed import SpeedGrid, run_speed
 
     grid = Grid(models=[str(smollm2_path)], methods=["full", "knorm"], ratios=[0.5], lengths=[384],
-                tasks=["niah_single", "ppl"], n=2, eval_tokens=8, threads=2, out=tmp_path)
+                tasks=["niah_single", "ppl"], n=2, eval_tokens=8, threads=1, out=tmp_path)
     path = run_quality(grid, log=lambda s: None)
     rows = load_rows(path)
     assert len(rows) == 2 * 2 * 2  # tasks x samples x (full + knorm@0.5)
@@ -227,7 +247,7 @@ def test_tiny_sweep_end_to_end(smollm2_path, tmp_path) -> None:
     assert len(load_rows(path)) == len(rows)
 
     sp = run_speed(SpeedGrid(models=[str(smollm2_path)], methods=["full", "knorm"], ratio=0.5, lengths=[256],
-                             decode_tokens=4, stream=True, threads=2, out=tmp_path), log=lambda s: None)
+                             decode_tokens=4, stream=True, threads=1, out=tmp_path), log=lambda s: None)
     srows = load_rows(sp)
     modes = {(r["mode"], r["method"]) for r in srows}
     assert modes == {("oneshot", "full"), ("oneshot", "knorm"), ("stream", "knorm")}
@@ -256,7 +276,7 @@ def test_batched_scoring_matches_token_by_token(smollm2) -> None:
     toks = smollm2.tokenize("Emma Woodhouse, handsome, clever, and rich, with a comfortable home and happy "
                             "disposition, seemed to unite some of the best blessings of existence. " * 3)
     ctx, ev = toks[:40], toks[40:52]
-    with Session(smollm2, method="full", n_ctx=128, chunk=64, n_threads=2) as s:
+    with Session(smollm2, method="full", n_ctx=128, chunk=64, n_threads=1) as s:
         s.feed(ctx)
         saved = s.save()
         batched = [lg.copy() for lg in _feed_logits(s, ev)]

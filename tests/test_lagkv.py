@@ -397,6 +397,9 @@ def test_head_dim_one() -> None:
 
 # -- the real default model ----------------------------------------------------------
 
+# One thread: the decodes here are small batches that gain little from two, and
+# two spinning threads collapse (< 1 tok/s measured) when the 2 cores are shared.
+THREADS = 1
 TEXT = " ".join(f"Record {i}: the ship {i % 7} carried {i * 3} barrels of oil to port {i % 11}." for i in range(400))
 
 
@@ -407,7 +410,7 @@ def test_prompt_eight_times_n_ctx_stays_bounded_and_generates(smollm2) -> None:
     n_ctx, budget, L = 128, 100, 32
     toks = smollm2.tokenize(TEXT)[: 8 * n_ctx + 17]
     assert len(toks) >= 8 * n_ctx
-    with Session(smollm2, method="lagkv", budget=budget, n_ctx=n_ctx, chunk=32, n_threads=2,
+    with Session(smollm2, method="lagkv", budget=budget, n_ctx=n_ctx, chunk=32, n_threads=THREADS,
                  method_params={"L": L, "r": 0.25}) as s:
         seen = []
         s.feed(toks, progress=lambda done, total: seen.append(s.engine.n_cells))
@@ -433,11 +436,11 @@ def test_ratio_mode_is_the_paper_and_one_shot_equals_the_session(smollm2) -> Non
 
     toks = smollm2.tokenize(TEXT)[:700]
     L, R = 64, 0.75
-    with Session(smollm2, method="full", n_ctx=1024, chunk=700, n_threads=2) as ref:
+    with Session(smollm2, method="full", n_ctx=1024, chunk=700, n_threads=THREADS) as ref:
         ref.feed(toks)
         want = np.take_along_axis(ref.engine.snapshot().token_pos,
                                   LagKV(L=L, r=1 - R).step(ref.engine.snapshot()), axis=2)
-    with Session(smollm2, method="lagkv", ratio=R, n_ctx=1024, chunk=700, n_threads=2,
+    with Session(smollm2, method="lagkv", ratio=R, n_ctx=1024, chunk=700, n_threads=THREADS,
                  method_params={"L": L}) as s:
         s.feed(toks)
         assert s.engine.n_cells == retained_cells(700, 16, L, 16)
@@ -457,9 +460,7 @@ def test_two_thousand_generated_tokens_stay_bounded(smollm2) -> None:
     from edgekv.session import Session
 
     n_ctx, budget, L = 512, 448, 64
-    # One thread: single-token decodes gain little from two, and two spinning
-    # threads collapse (< 1 tok/s measured) when the 2 cores are shared.
-    with Session(smollm2, method="lagkv", budget=budget, n_ctx=n_ctx, n_threads=1,
+    with Session(smollm2, method="lagkv", budget=budget, n_ctx=n_ctx, n_threads=THREADS,
                  method_params={"L": L, "r": 0.25}) as s:
         s.feed(smollm2.tokenize("Write a very long story about a lighthouse keeper and the sea."))
         for _ in range(2000):
@@ -484,7 +485,7 @@ def test_q8_0_cache_with_flash_attention(smollm2) -> None:
 
     toks = smollm2.tokenize(TEXT)[:600]
     with Session(smollm2, method="lagkv", budget=300, n_ctx=364, cache_type_k="q8_0",
-                 cache_type_v="q8_0", flash_attn="on", n_threads=2, method_params={"L": 64}) as s:
+                 cache_type_v="q8_0", flash_attn="on", n_threads=THREADS, method_params={"L": 64}) as s:
         s.feed(toks)
         assert s.stats.compressions >= 2 and s.stats.peak_cells <= 364
         snap = s.engine.snapshot()

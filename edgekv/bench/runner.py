@@ -373,7 +373,7 @@ def run_quality(grid: Grid, *, log: Callable[[str], None] | None = None) -> Path
     total = sum(len(evals_for(it[-1])) for it in items)
     with open(grid.out / "grid.json", "w", encoding="utf-8") as f:
         json.dump({**{k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(grid).items()},
-                   "methods_resolved": methods}, f, indent=1)
+                   "methods_resolved": methods, "environment": environment()}, f, indent=1)
 
     models: dict[str | None, tuple[Model, str]] = {}
     skipped = 0

@@ -41,10 +41,23 @@ Budget conventions (session.py):
   tokens until the next paper step (at most 2L), so compactions stay once per
   L tokens instead of once per token. N must hold the sinks and the window
   (N >= S + 2L - 1), which ``bind`` checks.
-- a target below sinks + window (only an explicit ``Session.compress(target)``
-  or a ratio-mode full cache can ask for one): once the compressed partitions
-  are empty, the window gives up its oldest tokens (StreamingLLM), keeping the
-  ``window`` newest cells; below sinks + window it is a BudgetError.
+- a target below sinks + LagKV's window (only an explicit
+  ``Session.compress(target)`` or a ratio-mode full cache can ask for one):
+  once the compressed partitions are empty, the window gives up its oldest
+  tokens (StreamingLLM), down to the ``window`` newest cells (a field,
+  default 32); below sinks + ``window`` it is a BudgetError.
+
+How ``select`` knows a compression was its own scheduled step: ``due`` sets a
+flag that ``select`` consumes (the Session calls ``select`` right after a
+``due`` that returned True). That flag and a hint of when the next successor
+completes are the only state, and neither changes which tokens are kept in
+budget mode; after a restore (ratio mode) the stale hint can make the next
+paper step fire early (a select that keeps everything) or up to 2L tokens late.
+
+Defaults: S = 16 (the paper), r = 0.5 (the authors' code), L = 128: the
+paper's smallest lag (it also runs 512 and 1024), because the L..2L-1 window
+must fit the small budgets edgekv is for (the chat default is 1024 cells;
+L = 1024 would need 2063). ``--param L=1024`` gives the paper's main setting.
 
 NaN policy: the reference code divides by max - min with no guard. Here the
 denominator is max(max - min, 1e-6) (the spec's recommendation): a channel
