@@ -33,7 +33,7 @@ from bench.passkey import QUESTION, make_sample  # noqa: E402
 BASELINES = ("streaming_llm", "knorm")
 
 
-def run_model(model_arg: str, a: argparse.Namespace) -> tuple[str, list[dict]]:
+def run_model(model_arg: str, a: argparse.Namespace, rows: list[dict], save) -> None:
     from edgekv.methods import get_method
     from edgekv.methods.lagkv import LagKV, retained_cells
     from edgekv.models import resolve_model
@@ -45,7 +45,6 @@ def run_model(model_arg: str, a: argparse.Namespace) -> tuple[str, list[dict]]:
     lags = [int(x) for x in a.lags.split(",")]
     ratios = [float(x) for x in a.ratios.split(",")]
     q = sess.model.tokenize(QUESTION, add_special=False)
-    rows: list[dict] = []
     t_model = time.perf_counter()
     for i in range(a.n):
         text, key = make_sample(sess.model, a.tokens, rng)
@@ -89,8 +88,8 @@ def run_model(model_arg: str, a: argparse.Namespace) -> tuple[str, list[dict]]:
         print(f"  {path.name} sample {i + 1}/{a.n}: key {key}, prefill {prefill_s:.1f}s, "
               f"lagkv correct {done}/{len(ratios) * len(lags)}, {time.perf_counter() - t_model:.0f}s so far",
               flush=True)
+        save()  # partial results survive an interrupted run
     sess.close()
-    return path.name, rows
 
 
 def summarise(rows: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
@@ -155,16 +154,20 @@ def main() -> None:
 
     t0 = time.perf_counter()
     rows: list[dict] = []
+
+    def save(done: bool = False) -> Path:
+        return write_json(a.out, {"bench": "lagkv_passkey", "machine": machine(), "args": vars(a),
+                                  "complete": done, "seconds": time.perf_counter() - t0,
+                                  "summary": summarise(rows), "rows": rows})
+
     for model in a.models.split(","):
-        rows += run_model(model, a)[1]
+        run_model(model, a, rows, save)
     summary = summarise(rows)
     lags = [int(x) for x in a.lags.split(",")]
     ratios = [float(x) for x in a.ratios.split(",")]
-    payload = {"bench": "lagkv_passkey", "machine": machine(), "args": vars(a),
-               "seconds": time.perf_counter() - t0, "summary": summary, "rows": rows}
-    out = write_json(a.out, payload)
+    out = save(done=True)
     plot(summary, lags, ratios, RESULTS / f"{a.out}.png", a.tokens)
-    print(f"wrote {out} ({payload['seconds']:.0f} s)")
+    print(f"wrote {out} ({time.perf_counter() - t0:.0f} s)")
     for model, s in summary.items():
         print(model)
         print(f"  {'config':34s} {'acc':>5s} {'kept':>6s} {'cells':>7s}")
