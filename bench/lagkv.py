@@ -84,7 +84,8 @@ def run_model(model_arg: str, a: argparse.Namespace, rows: list[dict], save) -> 
                          "prompt_tokens": n_prompt, "cells": kept, "kept": kept / n_prompt,
                          "correct": key in got[:1], "answer": out.strip()[:40], "key": key,
                          "prefill_s": prefill_s, "compress_s": comp_s})
-        done = sum(r["correct"] for r in rows if r["sample"] == i and r["method"] == "lagkv")
+        done = sum(r["correct"] for r in rows
+                   if r["model"] == path.name and r["sample"] == i and r["method"] == "lagkv")
         print(f"  {path.name} sample {i + 1}/{a.n}: key {key}, prefill {prefill_s:.1f}s, "
               f"lagkv correct {done}/{len(ratios) * len(lags)}, {time.perf_counter() - t_model:.0f}s so far",
               flush=True)

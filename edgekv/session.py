@@ -306,6 +306,7 @@ class Session:
         self.n_past = n_past
         self.stats.tokens_seen = seen
         self.stats.cells = self.engine.n_cells
+        self._since_compress = 0
         self._has_logits = False
 
     def save_file(self, path: str | Path) -> None:

@@ -504,7 +504,7 @@ def test_cli_generate_with_lagkv(smollm2_path, tmp_path) -> None:
     env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1"}
     r = subprocess.run([str(exe), "generate", "--prompt-file", str(prompt), "--method", "lagkv",
                         "--param", "L=64", "--param", "r=0.25", "--budget", "300", "--n-ctx", "364",
-                        "--max-tokens", "16", "--stats-json", str(stats)],
+                        "--max-tokens", "16", "--threads", str(THREADS), "--stats-json", str(stats)],
                        capture_output=True, text=True, timeout=300, env=env, check=False)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip()
