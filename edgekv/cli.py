@@ -82,6 +82,9 @@ CtkOpt = Annotated[str, typer.Option("--cache-type-k", "-ctk", help="K cache typ
 CtvOpt = Annotated[str, typer.Option("--cache-type-v", "-ctv", help="V cache type (quantised V needs flash attention).")]
 FaOpt = Annotated[str, typer.Option("--flash-attn", "-fa", help="Flash attention: on, off or auto.")]
 ThreadsOpt = Annotated[int | None, typer.Option("--threads", "-t", help="CPU threads (default: all cores).")]
+EngineOpt = Annotated[str, typer.Option(
+    "--engine", help="KV engine: auto (native ops when libllama has edgekv's patches and the cache suits them), "
+    "native, or state (portable, via llama.cpp's state API).")]
 ParamOpt = Annotated[
     list[str] | None, typer.Option("--param", "-p", help="Method parameter NAME=VALUE (repeatable).")
 ]
@@ -117,7 +120,7 @@ def _parse_params(items: list[str] | None) -> dict[str, object]:
 
 def _session(model: str | None, method: str, budget: int | None, ratio: float | None,
              n_ctx: int | None, ctk: str, ctv: str, fa: str, threads: int | None,
-             params: list[str] | None, chunk: int = 256):
+             params: list[str] | None, chunk: int = 256, engine: str = "auto"):
     from .models import resolve_model
     from .session import Session
 
@@ -126,7 +129,7 @@ def _session(model: str | None, method: str, budget: int | None, ratio: float | 
     return Session(
         path, method=method, budget=budget, ratio=ratio, n_ctx=n_ctx, chunk=chunk,
         cache_type_k=ctk, cache_type_v=ctv, flash_attn=fa, n_threads=threads,
-        method_params=params_dict,
+        method_params=params_dict, engine=engine,
     )
 
 
@@ -198,6 +201,7 @@ def chat(
     flash_attn: FaOpt = "auto",
     threads: ThreadsOpt = None,
     param: ParamOpt = None,
+    engine: EngineOpt = "auto",
     max_tokens: Annotated[int, typer.Option(help="Longest reply, in tokens.")] = 512,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.7,
     seed: int = 0,
@@ -218,7 +222,8 @@ def chat(
         _check_writable(stats_json, "--stats-json")
         if budget is None and ratio is None and n_ctx is None and method != "full":
             budget = 1024
-        sess = _session(model, method, budget, ratio, n_ctx, cache_type_k, cache_type_v, flash_attn, threads, param)
+        sess = _session(model, method, budget, ratio, n_ctx, cache_type_k, cache_type_v, flash_attn, threads, param,
+                        engine=engine)
         conv = Chat(sess, system=system)
         cfg = SamplerConfig(temperature=temperature, seed=seed)
         interactive = sys.stdin.isatty()
@@ -276,6 +281,7 @@ def generate(
     flash_attn: FaOpt = "auto",
     threads: ThreadsOpt = None,
     param: ParamOpt = None,
+    engine: EngineOpt = "auto",
     max_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 256,
     temperature: float = 0.0,
     seed: int = 0,
@@ -305,7 +311,8 @@ def generate(
             text = prompt or ""
         if not text.strip():
             raise EdgekvError("the prompt is empty")
-        sess = _session(model, method, budget, ratio, n_ctx, cache_type_k, cache_type_v, flash_attn, threads, param)
+        sess = _session(model, method, budget, ratio, n_ctx, cache_type_k, cache_type_v, flash_attn, threads, param,
+                        engine=engine)
         if chat_template:
             text = sess.model.apply_chat_template([{"role": "user", "content": text}])
         prog, cb = _progress_bar("prefill")

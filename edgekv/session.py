@@ -74,10 +74,19 @@ class SamplerConfig:
 
 
 def make_engine(ctx: Context, kind: str = "auto") -> KVEngine:
-    if kind in ("auto", "state"):
+    """``auto``: the native ops when the loaded libllama has them and they handle this
+    cache, the portable state engine otherwise."""
+    from .kvcache.native import NativeEngine, NativeUnsupported
+
+    if kind == "state":
         return StateEngine(ctx)
-    if kind == "native":
-        raise EdgekvError("the native engine needs libllama built with edgekv's ggml patches (not loaded)")
+    if kind in ("auto", "native"):
+        try:
+            return NativeEngine(ctx)
+        except NativeUnsupported:
+            if kind == "native":
+                raise
+            return StateEngine(ctx)
     raise EdgekvError(f"unknown engine {kind!r}; use auto, state or native")
 
 
@@ -321,6 +330,8 @@ class Session:
             "cache_type_v": self.ctx.cache_type_v, "flash_attn": self.ctx.flash_attn, "n_past": self.n_past,
             "tokens_seen": self.stats.tokens_seen, "token_pos_shape": list(state.token_pos.shape),
             "blob_len": len(state.blob),
+            # the native engine's log-count bias of merged cells, after the blob (float32)
+            "bias_shape": list(state.bias.shape) if state.bias is not None else None,
         }
         hb = json.dumps(header).encode()
         tmp = Path(str(path) + ".part")
@@ -328,6 +339,8 @@ class Session:
             f.write(SESSION_MAGIC + len(hb).to_bytes(4, "little") + hb)
             f.write(state.token_pos.astype("<i4").tobytes())
             f.write(state.blob)
+            if state.bias is not None:
+                f.write(state.bias.astype("<f4").tobytes())
         tmp.replace(path)
 
     def load_file(self, path: str | Path) -> None:
@@ -350,7 +363,9 @@ class Session:
         shape = tuple(header["token_pos_shape"])
         off = 12 + hl
         n_tp = int(np.prod(shape)) * 4
-        if len(data) != off + n_tp + header["blob_len"]:
+        bias_shape = header.get("bias_shape")
+        n_bias = int(np.prod(bias_shape)) * 4 if bias_shape else 0
+        if len(data) != off + n_tp + header["blob_len"] + n_bias:
             raise EdgekvError(f"{path}: session file is truncated or has extra bytes")
         arch = self.model.arch
         if (header["model"], header["model_size"], header["n_layer"]) != (
@@ -364,7 +379,11 @@ class Session:
                     f"this session uses cache type {getattr(self.ctx, key)}"
                 )
         token_pos = np.frombuffer(data[off : off + n_tp], dtype="<i4").reshape(shape).astype(np.int32)
-        state = CacheState(blob=data[off + n_tp :], token_pos=token_pos, engine=self.engine.name)
+        end = off + n_tp + header["blob_len"]
+        bias = np.frombuffer(data[end:], dtype="<f4").reshape(bias_shape).astype(np.float32) if bias_shape else None
+        if bias is not None and not hasattr(self.engine, "bias_set"):
+            raise EdgekvError(f"{path} holds merged cells (a log-count bias), which only the native engine can load")
+        state = CacheState(blob=data[off + n_tp : end], token_pos=token_pos, engine=self.engine.name, bias=bias)
         self.restore((state, header["n_past"], header["tokens_seen"]))
 
     def close(self) -> None:
@@ -438,9 +457,15 @@ def engine_summary() -> str:
     lib()
     import llama_cpp.llama_cpp as L
 
+    from .kvcache.native import api_version
+
     if native_available():
         fn = L._lib.llama_edgekv_api_version
         fn.restype = ctypes.c_int32
-        return (f"engine: state (portable); libllama carries edgekv patch set v{fn()} "
-                "(native ops: see ggml_patches/README.md)")
+        v = fn()
+        if api_version():
+            return (f"engine: native (libllama carries edgekv patch set v{v}; compaction, merge with "
+                    "log-count bias, read and score run where the cache lives; iSWA caches use the state engine)")
+        return (f"engine: state (portable); libllama carries edgekv patch set v{v} but the cffi bindings "
+                "are not built (run native/build_native.py)")
     return "engine: state (portable; stock libllama without edgekv's patch set)"

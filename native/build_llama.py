@@ -136,8 +136,10 @@ def build(cuda: bool) -> Path:
         env["CMAKE_ARGS"] = " ".join(f"'{f}'" if " " in f else f for f in cmake_flags(cuda))
         env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
         env.setdefault("CCACHE_DIR", str(CACHE / "ccache"))
-        # ccache keys on paths; a stable base dir lets every temp checkout hit.
+        # ccache keys on paths: the source and scikit-build's build tree both live
+        # under one temp dir given as base dir, so every build sees the same relative paths.
         env.setdefault("CCACHE_BASEDIR", tmp)
+        env.setdefault("SKBUILD_BUILD_DIR", str(Path(tmp) / "build"))
         env.setdefault("CCACHE_NOHASHDIR", "1")
         tmp_out = Path(tmp) / "wheel"
         log(f"building llama-cpp-python {VERSION} with {len(patches())} patch(es), key {key} "

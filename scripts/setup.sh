@@ -25,6 +25,8 @@ VPY=.venv/bin/python
 "$VPY" -m pip install -q "scikit-build-core[pyproject]>=0.9.2" cmake ninja
 "$VPY" native/build_llama.py --install
 "$VPY" -m pip install -q -e ".[dev]"
+# cffi bindings to the native ops, compiled against the patched libllama's header.
+"$VPY" native/build_native.py
 # Real English text for the benchmark haystacks (Jane Austen, Debian's
 # r-cran-janeaustenr), unpacked into ~/.cache/edgekv/text without installing R.
 if ! .venv/bin/edgekv bench text >/dev/null 2>&1; then

@@ -17,6 +17,7 @@ verbs, done where the cache lives). Both must leave identical caches.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -52,6 +53,8 @@ class KVSnapshot:
     _v_rot: int = field(default=0, repr=False)
     _k: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
     _v: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+    # the native engine reads one layer's K and V on demand, already in position order
+    _read: Callable[[int], tuple[np.ndarray, np.ndarray]] | None = field(default=None, repr=False)
 
     @property
     def n_cells(self) -> int:
@@ -78,6 +81,8 @@ class KVSnapshot:
 
     def keys(self, layer: int) -> np.ndarray:
         """float32 [n_cells, n_kv_head, head_dim_k] (post-RoPE, as cached)."""
+        if layer not in self._k and self._read is not None:
+            self._k[layer], self._v[layer] = self._read(layer)
         if layer not in self._k:
             ld = self._section.layers[layer]
             n_embd = self.n_kv_head * self.head_dim_k
@@ -87,6 +92,8 @@ class KVSnapshot:
 
     def values(self, layer: int) -> np.ndarray:
         """float32 [n_cells, n_kv_head, head_dim_v]."""
+        if layer not in self._v and self._read is not None:
+            self._k[layer], self._v[layer] = self._read(layer)
         if layer not in self._v:
             ld = self._section.layers[layer]
             n_embd = self.n_kv_head * self.head_dim_v
@@ -109,11 +116,16 @@ def _unrotate(x: np.ndarray, block: int) -> np.ndarray:
 
 @dataclass
 class CacheState:
-    """A saved sequence: llama.cpp's blob plus the engine's token map."""
+    """A saved sequence: llama.cpp's blob plus the engine's token map.
+
+    ``bias`` is the native engine's log-count bias [n_layer, n_kv_head, n_cells]
+    (position order) when merged cells exist; llama.cpp's blob does not carry it.
+    """
 
     blob: bytes
     token_pos: np.ndarray
     engine: str
+    bias: np.ndarray | None = None
 
     @property
     def n_cells(self) -> int:

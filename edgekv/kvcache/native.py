@@ -1,0 +1,248 @@
+"""The native engine: edgekv's ggml ops inside the patched libllama (ggml_patches/).
+
+Same verbs as the state engine, done where the cache lives: ``compact`` gathers
+each (layer, KV head)'s kept rows into cells 0..B-1 with a ggml graph on the
+cache's backend instead of copying the sequence to the host and back. On top of
+the protocol it offers the ops the state API cannot: ``merge`` (weighted average
+of cells, with a per (layer, head, cell) log-count bias that attention adds to
+the logits), ``read`` (dequantised K/V of one layer) and ``score``
+(observation-window attention computed on the device).
+
+The bindings are a cffi module (``edgekv._edgekv_native``) that
+``native/build_native.py`` compiles against the installed ``llama-edgekv.h``;
+without it, or on a cache the ops do not handle (iSWA, several sequences),
+``make_engine("auto")`` picks the state engine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+
+from ..errors import EdgekvError, StateLayoutError
+from ..llama import Context, hadamard
+from .engine import CacheState, KVSnapshot, StateEngine, _unrotate, check_keep, compacted_positions
+
+_ERRORS = {
+    -1: "the KV cache is of a kind the native ops do not handle (iSWA, several sequences or streams, "
+        "a pending shift, uneven heads)",
+    -2: "an argument is out of range",
+    -3: "the ggml graph could not be allocated or computed",
+    -4: "the cache type's rows cannot be moved or converted by the native ops",
+}
+
+
+class NativeUnsupported(EdgekvError):
+    """The native ops cannot serve this context; the state engine can."""
+
+
+def load() -> tuple[Any, Any] | None:
+    """(ffi, lib) of the compiled bindings, or None when they are not built or do not load."""
+    try:
+        from .. import _edgekv_native as mod  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    try:
+        if mod.lib.llama_edgekv_api_version() < 2:
+            return None
+    except AttributeError:
+        return None
+    return mod.ffi, mod.lib
+
+
+def api_version() -> int:
+    m = load()
+    return int(m[1].llama_edgekv_api_version()) if m else 0
+
+
+def _ptr(ctx: Context) -> int:
+    p = ctx.ptr
+    return p if isinstance(p, int) else ctypes.cast(p, ctypes.c_void_p).value
+
+
+class NativeEngine(StateEngine):
+    """KV engine over edgekv's native ops; saves and restores through the state API."""
+
+    name = "native"
+
+    def __init__(self, ctx: Context, seq: int = 0) -> None:
+        super().__init__(ctx, seq)
+        m = load()
+        if m is None:
+            raise NativeUnsupported("edgekv's native bindings are not built (native/build_native.py) "
+                                    "or libllama lacks edgekv's patches")
+        self.ffi, self.lib = m
+        self._c = self.ffi.cast("struct llama_context *", _ptr(ctx))
+        out = self.ffi.new("int32_t[5]")
+        rc = self.lib.llama_edgekv_kv_info(self._c, out, out + 1, out + 2, out + 3, out + 4)
+        if rc != 0:
+            raise NativeUnsupported(f"native engine: {_ERRORS.get(rc, rc)}")
+        self.n_layer, n_head_kv, hk, hv, self.kv_size = (int(x) for x in out)
+        if (n_head_kv, hk, hv) != (self.n_kv_head, self.head_dim_k, self.head_dim_v) or self.n_caches != 1:
+            raise NativeUnsupported("native engine: the cache's geometry differs from the model's")
+
+    # -- helpers ---------------------------------------------------------------
+    def _check(self, rc: int, what: str) -> None:
+        if rc < 0:
+            raise EdgekvError(f"native {what}: {_ERRORS.get(rc, f'error {rc}')}")
+
+    def _i32(self, a: np.ndarray) -> Any:
+        return self.ffi.from_buffer("int32_t[]", a)
+
+    def _f32(self, a: np.ndarray) -> Any:
+        return self.ffi.from_buffer("float[]", a)
+
+    def cell_positions(self) -> np.ndarray:
+        """Positions of the sequence's cells in cell order (the ordinals the C ops take)."""
+        n = self.lib.llama_edgekv_kv_cells(self._c, self.seq, self.ffi.NULL, 0)
+        self._check(n, "cells")
+        pos = np.empty(n, dtype=np.int32)
+        if n:
+            self._check(self.lib.llama_edgekv_kv_cells(self._c, self.seq, self._i32(pos), n), "cells")
+        if n != self._n_cells:
+            raise StateLayoutError(f"llama.cpp holds {n} cells for the sequence, the engine counted {self._n_cells}")
+        return pos
+
+    # -- verbs -----------------------------------------------------------------
+    def snapshot(self) -> KVSnapshot:
+        pos_cells = self.cell_positions()
+        order = np.argsort(pos_cells, kind="stable")
+        pos = pos_cells[order]
+        n = pos.shape[0]
+        k_rot, v_rot = self.ctx.k_rot, self.ctx.v_rot
+        H, dk, dv = self.n_kv_head, self.head_dim_k, self.head_dim_v
+
+        def read(layer: int) -> tuple[np.ndarray, np.ndarray]:
+            k, v = self.read(layer, cell_order=True)
+            k = _unrotate(k[:, order].transpose(1, 0, 2).reshape(n, H * dk), k_rot).reshape(n, H, dk)
+            v = _unrotate(v[:, order].transpose(1, 0, 2).reshape(n, H * dv), v_rot).reshape(n, H, dv)
+            return k, v
+
+        return KVSnapshot(pos=pos, token_pos=self._token_map(pos, self.n_layer), n_kv_head=H,
+                          head_dim_k=dk, head_dim_v=dv, _section=None, _order=order, _read=read)
+
+    def compact(self, keep: np.ndarray) -> None:
+        pos_cells = self.cell_positions()
+        order = np.argsort(pos_cells, kind="stable")
+        pos = pos_cells[order]
+        keep = check_keep(keep, self.n_layer, self.n_kv_head, pos.shape[0])
+        new_pos = np.ascontiguousarray(compacted_positions(pos, keep), dtype=np.int32)
+        new_tp = np.take_along_axis(self._token_map(pos, self.n_layer), keep, axis=2)
+        cells = np.ascontiguousarray(order[keep], dtype=np.int32)
+        b = keep.shape[2]
+        self._check(self.lib.llama_edgekv_kv_compact(self._c, self.seq, b, self._i32(cells), self._i32(new_pos)),
+                    "compact")
+        self._token_pos = new_tp.astype(np.int32)
+        self._n_cells = b
+
+    def save(self) -> CacheState:
+        state = super().save()
+        if self.bias_enabled:
+            state.bias = self.bias_get(cell_order=False)
+        return state
+
+    def restore(self, state: CacheState) -> None:
+        if state.bias is not None and state.bias.shape != (self.n_layer, self.n_kv_head, state.n_cells):
+            raise StateLayoutError("saved log-count bias does not match the saved cells")
+        super().restore(state)
+        if state.bias is not None or self.bias_enabled:
+            bias = state.bias if state.bias is not None else np.zeros((self.n_layer, self.n_kv_head, state.n_cells),
+                                                                      np.float32)
+            self.bias_set(bias, cell_order=False)
+
+    # -- native-only ops -------------------------------------------------------
+    def _to_cells(self, a: np.ndarray, cell_order: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Reorder the last axis from position order to cell order; also returns the order."""
+        order = np.argsort(self.cell_positions(), kind="stable")
+        if cell_order:
+            return a, order
+        out = np.empty_like(a)
+        out[..., order] = a
+        return out, order
+
+    def read(self, layer: int, cell_order: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Layer ``layer``'s K and V as stored (rotated when llama.cpp rotates them):
+        float32 [n_kv_head, n_cells, head_dim], cells in position order unless ``cell_order``."""
+        n = self._n_cells
+        k = np.empty((self.n_kv_head, n, self.head_dim_k), np.float32)
+        v = np.empty((self.n_kv_head, n, self.head_dim_v), np.float32)
+        if n:
+            self._check(self.lib.llama_edgekv_kv_read(self._c, self.seq, layer, self._f32(k), self._f32(v), n), "read")
+        if not cell_order and n:
+            order = np.argsort(self.cell_positions(), kind="stable")
+            k, v = k[:, order], v[:, order]
+        return k, v
+
+    @property
+    def bias_enabled(self) -> bool:
+        return bool(self.lib.llama_edgekv_kv_bias_enabled(self._c))
+
+    def bias_enable(self) -> None:
+        self._check(self.lib.llama_edgekv_kv_bias_enable(self._c), "bias_enable")
+
+    def bias_get(self, cell_order: bool = False) -> np.ndarray:
+        """float32 [n_layer, n_kv_head, n_cells] log-count bias, position order unless ``cell_order``."""
+        n = self._n_cells
+        b = np.zeros((self.n_layer, self.n_kv_head, n), np.float32)
+        if n:
+            self._check(self.lib.llama_edgekv_kv_bias_get(self._c, self.seq, self._f32(b), n), "bias_get")
+            if not cell_order:
+                b = b[..., np.argsort(self.cell_positions(), kind="stable")]
+        return b
+
+    def bias_set(self, bias: np.ndarray, cell_order: bool = False) -> None:
+        bias = np.asarray(bias, np.float32)
+        if bias.shape != (self.n_layer, self.n_kv_head, self._n_cells):
+            raise EdgekvError(f"bias must be [n_layer, n_kv_head, n_cells], got {bias.shape}")
+        bias, _ = self._to_cells(bias, cell_order)
+        bias = np.ascontiguousarray(bias)
+        self._check(self.lib.llama_edgekv_kv_bias_set(self._c, self.seq, self._f32(bias), self._n_cells), "bias_set")
+
+    def merge(self, members: np.ndarray, weights: np.ndarray) -> None:
+        """Average groups of cells per (layer, head) into each group's first member.
+
+        ``members`` int [n_layer, n_kv_head, n_group, n_member] (cells in position
+        order, -1 = unused) and ``weights`` float of the same shape. The merged cell's
+        log-count bias becomes log(sum of its members' counts); compact the other
+        members away afterwards.
+        """
+        members = np.asarray(members)
+        weights = np.asarray(weights, np.float32)
+        if members.ndim != 4 or members.shape[:2] != (self.n_layer, self.n_kv_head) or weights.shape != members.shape:
+            raise EdgekvError("merge: members and weights must be [n_layer, n_kv_head, n_group, n_member]")
+        if np.any(members >= self._n_cells) or np.any(members < -1) or np.any(members[..., 0] < 0):
+            raise EdgekvError("merge: member index out of range")
+        order = np.argsort(self.cell_positions(), kind="stable")
+        cells = np.where(members >= 0, order[np.maximum(members, 0)], -1).astype(np.int32)
+        g, m = members.shape[2:]
+        self._check(self.lib.llama_edgekv_kv_merge(self._c, self.seq, g, m, self._i32(np.ascontiguousarray(cells)),
+                                                   self._f32(np.ascontiguousarray(weights))), "merge")
+
+    def score(self, q: np.ndarray, q_pos: np.ndarray, kq_scale: float | None = None) -> np.ndarray:
+        """Observation-window attention on the device.
+
+        ``q`` float [n_layer, n_head, n_q, head_dim_k]: post-RoPE queries as the model
+        computes them (rotated here like the cache when llama.cpp rotates it);
+        ``q_pos`` their positions. Returns float32 [n_layer, n_kv_head, n_cells] in
+        position order: per KV head, the sum over window queries and the group's query
+        heads of softmax(kq_scale * q.k + bias), causal by position.
+        """
+        q = np.asarray(q, np.float32)
+        n_layer, n_head, n_q, d = q.shape
+        if n_layer != self.n_layer or d != self.head_dim_k or n_head % self.n_kv_head:
+            raise EdgekvError(f"score: q must be [{self.n_layer}, k*{self.n_kv_head}, n_q, {self.head_dim_k}]")
+        if self.ctx.k_rot:
+            r = self.ctx.k_rot
+            q = (q.reshape(-1, d // r, r) @ hadamard(r)).reshape(q.shape)
+        q = np.ascontiguousarray(q)
+        q_pos = np.ascontiguousarray(q_pos, dtype=np.int32)
+        if q_pos.shape != (n_q,):
+            raise EdgekvError("score: q_pos must hold one position per query")
+        scale = float(kq_scale if kq_scale is not None else 1.0 / np.sqrt(d))
+        n = self._n_cells
+        out = np.empty((self.n_layer, self.n_kv_head, n), np.float32)
+        self._check(self.lib.llama_edgekv_kv_score(self._c, self.seq, n_head, n_q, self._f32(q), self._i32(q_pos),
+                                                   scale, self._f32(out), n), "score")
+        return out[..., np.argsort(self.cell_positions(), kind="stable")]

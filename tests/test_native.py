@@ -1,0 +1,296 @@
+"""Native engine (edgekv's ggml patch set) on the real default model: the same
+cache contents as the state engine after the same compaction, merge with the
+log-count bias in both attention paths, device-side scores and reads against
+host references, and refusal of bad arguments without touching the cache."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from edgekv.errors import EdgekvError
+from edgekv.kvcache import layout
+from edgekv.kvcache.engine import CacheState, StateEngine
+from edgekv.kvcache.native import NativeEngine, load
+from edgekv.llama import Context
+from edgekv.session import Session, native_available
+
+CONFIGS = [("f16", "f16", "off"), ("f16", "f16", "on"), ("q8_0", "q8_0", "on"), ("q8_0", "f16", "off")]
+IDS = [f"{k}-{v}-fa_{fa}" for k, v, fa in CONFIGS]
+TEXT = ("The lighthouse keeper wrote down every ship that passed, its flag, its cargo and the hour. "
+        "On stormy nights the entries grew short. ") * 10
+
+
+def test_native_bindings_are_built_for_a_patched_libllama() -> None:
+    # setup.sh builds the bindings whenever libllama carries the patch set; a
+    # patched libllama without them would silently fall back to the state engine.
+    assert native_available()
+    assert load() is not None
+
+
+pytestmark = pytest.mark.skipif(load() is None, reason="edgekv native bindings not built")
+
+
+def _ctx(model, ck: str, cv: str, fa: str, n_ctx: int = 512) -> Context:
+    return Context(model, n_ctx=n_ctx, cache_type_k=ck, cache_type_v=cv, flash_attn=fa, n_threads=2)
+
+
+def _prefill(ctx: Context, eng: StateEngine, toks: list[int]) -> None:
+    ctx.clear()
+    eng.reset()
+    for i in range(0, len(toks), 128):
+        part = toks[i : i + 128]
+        ctx.decode(part, i)
+        eng.note_decoded(len(part))
+
+
+def _keep(rng: np.random.Generator, L: int, H: int, n: int, b: int) -> np.ndarray:
+    keep = np.empty((L, H, b), dtype=np.int64)
+    for li in range(L):
+        for h in range(H):
+            keep[li, h] = np.sort(np.concatenate([rng.choice(n - 8, b - 8, replace=False), np.arange(n - 8, n)]))
+    return keep
+
+
+@pytest.fixture(scope="module")
+def toks(smollm2) -> list[int]:
+    return smollm2.tokenize(TEXT)
+
+
+@pytest.mark.parametrize(("ck", "cv", "fa"), CONFIGS, ids=IDS)
+def test_native_and_state_compaction_leave_identical_caches(smollm2, toks, ck, cv, fa) -> None:
+    ctx = _ctx(smollm2, ck, cv, fa)
+    state, native = StateEngine(ctx), NativeEngine(ctx)
+    L, H = smollm2.arch.n_layer, smollm2.arch.n_head_kv
+    for rounds in (1, 2):
+        blobs, logits = [], []
+        for eng in (state, native):
+            _prefill(ctx, eng, toks)
+            for r in range(rounds):  # a second compaction works on an already per-head cache
+                keep = _keep(np.random.default_rng(11 + r), L, H, eng.n_cells, eng.n_cells // 2)
+                eng.compact(keep)
+            blobs.append(ctx.state_get())
+            ctx.decode([toks[5]], ctx.pos_max() + 1)
+            eng.note_decoded(1)
+            logits.append(ctx.logits())
+        assert blobs[0] == blobs[1]
+        assert np.array_equal(logits[0], logits[1])
+    ctx.close()
+
+
+@pytest.mark.parametrize(("ck", "cv", "fa"), CONFIGS, ids=IDS)
+def test_native_read_matches_state_snapshot(smollm2, toks, ck, cv, fa) -> None:
+    ctx = _ctx(smollm2, ck, cv, fa)
+    state, native = StateEngine(ctx), NativeEngine(ctx)
+    _prefill(ctx, native, toks)
+    state.note_decoded(native.n_cells)
+    keep = _keep(np.random.default_rng(5), smollm2.arch.n_layer, smollm2.arch.n_head_kv, native.n_cells, 100)
+    native.compact(keep)
+    state._n_cells = native.n_cells
+    a, b = state.snapshot(), native.snapshot()
+    assert np.array_equal(a.pos, b.pos)
+    for layer in (0, smollm2.arch.n_layer // 2, smollm2.arch.n_layer - 1):
+        np.testing.assert_allclose(b.keys(layer), a.keys(layer), rtol=0, atol=1e-5)
+        np.testing.assert_allclose(b.values(layer), a.values(layer), rtol=0, atol=1e-5)
+    ctx.close()
+
+
+def _duplicated(ctx: Context, eng: NativeEngine, toks: list[int], runs: dict[int, int]) -> tuple[bytes, np.ndarray]:
+    """A cache where cell c is repeated runs[c] times (same K, V and position): the
+    unmerged reference a merge of each run must reproduce."""
+    _prefill(ctx, eng, toks)
+    blob = ctx.state_get()
+    st = layout.parse_seq_state(blob, n_caches=1, n_layers=None)
+    sec = st.sections[0]
+    order = np.argsort(sec.pos, kind="stable")
+    n = sec.n_cells
+    idx = np.concatenate([[c] * runs.get(c, 1) for c in range(n)])
+    L = len(sec.layers)
+    keep = np.broadcast_to(idx, (L, eng.n_kv_head, idx.size)).copy()
+    st.sections[0] = layout.gather_section(sec, order, keep, sec.pos[order][idx].astype(np.int32), eng.n_kv_head)
+    return layout.write_seq_state(st), idx
+
+
+@pytest.mark.parametrize("fa", ["off", "on"])
+def test_merge_with_log_count_bias_equals_attention_over_unmerged_runs(smollm2, toks, fa) -> None:
+    ctx = _ctx(smollm2, "f16", "f16", fa)
+    eng = NativeEngine(ctx)
+    L, H = smollm2.arch.n_layer, smollm2.arch.n_head_kv
+    body = toks[:200]
+    runs = {3: 8, 40: 16, 41: 2, 120: 16, 150: 4}
+    blob, idx = _duplicated(ctx, eng, body, runs)
+    probe = toks[200:203]
+
+    def logits_after(setup) -> np.ndarray:
+        setup()
+        out = []
+        for i, t in enumerate(probe):
+            ctx.decode([t], len(body) + i)
+            eng.note_decoded(1)
+            out.append(ctx.logits())
+        return np.stack(out)
+
+    tp = np.broadcast_to(idx.astype(np.int32), (L, H, idx.size)).copy()
+
+    def unmerged() -> None:
+        ctx.clear()
+        eng.reset()
+        eng.restore(CacheState(blob=blob, token_pos=tp, engine="native"))
+
+    ref = logits_after(unmerged)
+
+    # merge each run into its first cell, then compact the rest away
+    starts = {c: int(np.flatnonzero(idx == c)[0]) for c in runs}
+    m = max(runs.values())
+    members = -np.ones((L, H, len(runs), m), dtype=np.int64)
+    for g, (c, k) in enumerate(runs.items()):
+        members[:, :, g, :k] = np.arange(starts[c], starts[c] + k)
+    weights = np.ones(members.shape, np.float32)
+    first = np.ones(idx.size, bool)
+    first[1:] = idx[1:] != idx[:-1]
+    survivors = np.flatnonzero(first)
+
+    def merged() -> None:
+        unmerged()
+        eng.merge(members, weights)
+        eng.compact(np.broadcast_to(survivors, (L, H, survivors.size)).copy())
+        b = eng.bias_get()
+        counts = np.array([runs.get(int(c), 1) for c in idx[survivors]])
+        np.testing.assert_allclose(b, np.broadcast_to(np.log(counts), b.shape), atol=1e-6)
+
+    got = logits_after(merged)
+    assert eng.n_cells == survivors.size + len(probe)
+
+    # without the bias the merged cache is measurably different
+    def merged_unbiased() -> None:
+        merged()
+        eng.bias_set(np.zeros((L, H, eng.n_cells), np.float32))
+
+    plain = logits_after(merged_unbiased)
+    # Logits of a 30-layer model carry the f16 rounding of attention (the KQ
+    # probabilities and, with flash attention, the V accumulator are f16), so a
+    # merged cache cannot match bit for bit. It must match far more closely than
+    # the same merge without the bias, and pick the same tokens.
+    err, err_plain = np.abs(got - ref), np.abs(plain - ref)
+    assert err.mean() < 0.35 * err_plain.mean()
+    assert err.max() < 0.35 * err_plain.max()
+    assert np.array_equal(got.argmax(axis=1), ref.argmax(axis=1))
+
+    # At the attention level the match is exact up to float32 rounding: the
+    # device-side attention weights of the merged cell equal the sum over its run.
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((L, smollm2.arch.n_head, 4, smollm2.arch.head_dim_k)).astype(np.float32)
+    q_pos = np.full(4, len(body) + 10, dtype=np.int32)
+    unmerged()
+    s_ref = eng.score(q, q_pos)
+    merged()
+    s_got = eng.score(q, q_pos)
+    summed = np.add.reduceat(s_ref, survivors, axis=2)
+    np.testing.assert_allclose(s_got, summed, rtol=1e-4, atol=1e-6)
+
+    # the bias survives a save and restore (also of the session file format's state)
+    merged()
+    saved = eng.save()
+    assert saved.bias is not None and saved.bias.max() > 1.0
+    ctx.clear()
+    eng.reset()
+
+    def restored() -> None:
+        ctx.clear()
+        eng.reset()
+        eng.restore(saved)
+
+    np.testing.assert_array_equal(logits_after(restored), got)
+    ctx.close()
+
+
+@pytest.mark.parametrize(("ck", "cv", "fa"), [("f16", "f16", "off"), ("q8_0", "q8_0", "on")], ids=["f16", "q8_0"])
+def test_device_scores_equal_host_reference(smollm2, toks, ck, cv, fa) -> None:
+    ctx = _ctx(smollm2, ck, cv, fa)
+    eng = NativeEngine(ctx)
+    arch = smollm2.arch
+    L, H, d = arch.n_layer, arch.n_head_kv, arch.head_dim_k
+    n_head = arch.n_head
+    _prefill(ctx, eng, toks[:300])
+    eng.compact(_keep(np.random.default_rng(2), L, H, eng.n_cells, 160))
+    rng = np.random.default_rng(9)
+    bias = rng.uniform(0, 2, (L, H, eng.n_cells)).astype(np.float32)
+    eng.bias_set(bias)
+    snap = eng.snapshot()
+    w = 8
+    q = rng.standard_normal((L, n_head, w, d)).astype(np.float32)
+    q_pos = np.array(snap.pos[-w:] - 3, dtype=np.int32)  # the last queries do not see every cell
+    scale = 1.0 / np.sqrt(d)
+    got = eng.score(q, q_pos, scale)
+
+    group = n_head // H
+    ref = np.zeros((L, H, eng.n_cells))
+    for layer in range(L):
+        k = snap.keys(layer).astype(np.float64)  # [n, H, d], unrotated
+        for qh in range(n_head):
+            h = qh // group
+            logits = scale * (q[layer, qh].astype(np.float64) @ k[:, h].T) + bias[layer, h]
+            logits[snap.pos[None, :] > q_pos[:, None]] = -np.inf
+            p = np.exp(logits - logits.max(axis=1, keepdims=True))
+            ref[layer, h] += (p / p.sum(axis=1, keepdims=True)).sum(axis=0)
+    np.testing.assert_allclose(got, ref, rtol=2e-3, atol=2e-4)
+    ctx.close()
+
+
+def test_bad_arguments_are_refused_and_cache_kept(smollm2, toks) -> None:
+    ctx = _ctx(smollm2, "f16", "f16", "on")
+    eng = NativeEngine(ctx)
+    _prefill(ctx, eng, toks[:100])
+    before = ctx.state_get()
+    L, H, n = smollm2.arch.n_layer, smollm2.arch.n_head_kv, eng.n_cells
+    c = eng._c
+    lib, ffi = eng.lib, eng.ffi
+    keep = np.zeros(L * H * 10, np.int32)
+    keep[3] = n  # out of range
+    pos = np.arange(10, dtype=np.int32)
+    assert lib.llama_edgekv_kv_compact(c, 0, 10, ffi.from_buffer("int32_t[]", keep), ffi.from_buffer("int32_t[]", pos)) == -2
+    keep[3] = 0
+    pos[4] = pos[3]  # not increasing
+    assert lib.llama_edgekv_kv_compact(c, 0, 10, ffi.from_buffer("int32_t[]", keep), ffi.from_buffer("int32_t[]", pos)) == -2
+    assert lib.llama_edgekv_kv_compact(c, 0, n + 1, ffi.from_buffer("int32_t[]", keep), ffi.from_buffer("int32_t[]", pos)) == -2
+    assert lib.llama_edgekv_kv_read(c, 0, L, ffi.NULL, ffi.NULL, n) == -2
+    with pytest.raises(EdgekvError):
+        eng.merge(-np.ones((L, H, 1, 2), np.int64), np.ones((L, H, 1, 2), np.float32))
+    with pytest.raises(EdgekvError):
+        eng.bias_set(np.zeros((L, H, n + 1), np.float32))
+    assert ctx.state_get() == before
+    ctx.close()
+
+
+def test_session_picks_native_and_matches_state_engine_output(smollm2_path) -> None:
+    prompt = ("Notes from the harbour. " * 60) + "The secret word is lantern. " + ("More notes. " * 40)
+    outs = {}
+    for engine in ("native", "state"):
+        s = Session(smollm2_path, method="knorm", budget=192, n_ctx=256, engine=engine, n_threads=2)
+        assert s.engine.name == engine
+        s.feed_text(prompt + " What is the secret word? The secret word is")
+        outs[engine] = ("".join(s.generate(12)), s.stats.compressions)
+        s.close()
+    assert outs["native"] == outs["state"]
+    assert outs["native"][1] >= 1
+    s = Session(smollm2_path, n_ctx=256, n_threads=2)
+    assert s.engine.name == "native"
+    s.close()
+
+
+def test_cli_reports_native_engine_and_refuses_unknown_engines(smollm2_path, tmp_path) -> None:
+    from test_cli import run_cli
+
+    r = run_cli("info", smollm2_path)
+    assert r.returncode == 0, r.stderr
+    assert "engine: native" in r.stdout
+    r = run_cli("generate", smollm2_path, "--prompt", "Hello", "--engine", "gpu", "--max-tokens", "2")
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == ["edgekv: error: unknown engine 'gpu'; use auto, state or native"]
+    r = run_cli("generate", smollm2_path, "--prompt", "Hello there, " * 40, "--engine", "native", "--method",
+                "knorm", "--budget", "48", "--n-ctx", "96", "--max-tokens", "4", "--stats-json", tmp_path / "s.json")
+    assert r.returncode == 0, r.stderr
+    stats = json.loads((tmp_path / "s.json").read_text())
+    assert stats["compressions"] >= 1 and stats["peak_cells"] <= 96
