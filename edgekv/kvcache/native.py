@@ -85,6 +85,8 @@ class NativeEngine(StateEngine):
 
     # -- helpers ---------------------------------------------------------------
     def _check(self, rc: int, what: str) -> None:
+        if rc == -1:
+            raise NativeUnsupported(f"native {what}: {_ERRORS[-1]}")
         if rc < 0:
             raise EdgekvError(f"native {what}: {_ERRORS.get(rc, f'error {rc}')}")
 
@@ -106,7 +108,22 @@ class NativeEngine(StateEngine):
         return pos
 
     # -- verbs -----------------------------------------------------------------
+    # Between llama.cpp's context shift (seq_add) and the next decode, the cache
+    # has a pending K-shift that only llama_decode applies; the native ops refuse
+    # such a cache, and the state API (which does not care) serves instead.
     def snapshot(self) -> KVSnapshot:
+        try:
+            return self._snapshot()
+        except NativeUnsupported:
+            return super().snapshot()
+
+    def compact(self, keep: np.ndarray) -> None:
+        try:
+            self._compact(keep)
+        except NativeUnsupported:
+            super().compact(keep)
+
+    def _snapshot(self) -> KVSnapshot:
         pos_cells = self.cell_positions()
         order = np.argsort(pos_cells, kind="stable")
         pos = pos_cells[order]
@@ -123,7 +140,7 @@ class NativeEngine(StateEngine):
         return KVSnapshot(pos=pos, token_pos=self._token_map(pos, self.n_layer), n_kv_head=H,
                           head_dim_k=dk, head_dim_v=dv, _section=None, _order=order, _read=read)
 
-    def compact(self, keep: np.ndarray) -> None:
+    def _compact(self, keep: np.ndarray) -> None:
         pos_cells = self.cell_positions()
         order = np.argsort(pos_cells, kind="stable")
         pos = pos_cells[order]
