@@ -294,3 +294,18 @@ def test_cli_reports_native_engine_and_refuses_unknown_engines(smollm2_path, tmp
     assert r.returncode == 0, r.stderr
     stats = json.loads((tmp_path / "s.json").read_text())
     assert stats["compressions"] >= 1 and stats["peak_cells"] <= 96
+
+
+def test_native_snapshot_refuses_to_read_a_changed_cache(smollm2, toks) -> None:
+    # a native snapshot reads K/V lazily from the live cache; after the cache
+    # changes it must refuse rather than return another cache's rows
+    ctx = _ctx(smollm2, "f16", "f16", "on")
+    eng = NativeEngine(ctx)
+    _prefill(ctx, eng, toks[:100])
+    snap = eng.snapshot()
+    ctx.decode([toks[100]], 100)
+    eng.note_decoded(1)
+    with pytest.raises(EdgekvError, match="changed since this snapshot"):
+        snap.keys(0)
+    assert eng.snapshot().keys(0).shape[0] == 101
+    ctx.close()

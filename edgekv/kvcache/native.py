@@ -80,6 +80,7 @@ class NativeEngine(StateEngine):
         if rc != 0:
             raise NativeUnsupported(f"native engine: {_ERRORS.get(rc, rc)}")
         self.n_layer, n_head_kv, hk, hv, self.kv_size = (int(x) for x in out)
+        self._gen = 0  # bumped whenever the cache changes; a snapshot reads lazily and must not outlive it
         if (n_head_kv, hk, hv) != (self.n_kv_head, self.head_dim_k, self.head_dim_v) or self.n_caches != 1:
             raise NativeUnsupported("native engine: the cache's geometry differs from the model's")
 
@@ -118,10 +119,23 @@ class NativeEngine(StateEngine):
             return super().snapshot()
 
     def compact(self, keep: np.ndarray) -> None:
+        self._gen += 1
         try:
             self._compact(keep)
         except NativeUnsupported:
             super().compact(keep)
+
+    def note_decoded(self, n: int) -> None:
+        self._gen += 1
+        super().note_decoded(n)
+
+    def reset(self) -> None:
+        self._gen += 1
+        super().reset()
+
+    def shift(self, n_keep: int, n_discard: int) -> int:
+        self._gen += 1
+        return super().shift(n_keep, n_discard)
 
     def _snapshot(self) -> KVSnapshot:
         pos_cells = self.cell_positions()
@@ -130,8 +144,11 @@ class NativeEngine(StateEngine):
         n = pos.shape[0]
         k_rot, v_rot = self.ctx.k_rot, self.ctx.v_rot
         H, dk, dv = self.n_kv_head, self.head_dim_k, self.head_dim_v
+        gen = self._gen
 
         def read(layer: int) -> tuple[np.ndarray, np.ndarray]:
+            if self._gen != gen:
+                raise EdgekvError("the cache changed since this snapshot was taken; take a new one")
             k, v = self.read(layer, cell_order=True)
             k = _unrotate(k[:, order].transpose(1, 0, 2).reshape(n, H * dk), k_rot).reshape(n, H, dk)
             v = _unrotate(v[:, order].transpose(1, 0, 2).reshape(n, H * dv), v_rot).reshape(n, H, dv)
@@ -163,6 +180,7 @@ class NativeEngine(StateEngine):
     def restore(self, state: CacheState) -> None:
         if state.bias is not None and state.bias.shape != (self.n_layer, self.n_kv_head, state.n_cells):
             raise StateLayoutError("saved log-count bias does not match the saved cells")
+        self._gen += 1
         super().restore(state)
         if state.bias is not None or self.bias_enabled:
             bias = state.bias if state.bias is not None else np.zeros((self.n_layer, self.n_kv_head, state.n_cells),
