@@ -1,0 +1,38 @@
+"""The patch set applies cleanly, in order, to the pinned llama.cpp source
+(the llama-cpp-python sdist that setup downloads), and its README names every patch."""
+
+from __future__ import annotations
+
+import importlib.util
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _build_llama():
+    spec = importlib.util.spec_from_file_location("build_llama", ROOT / "native" / "build_llama.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_patches_apply_in_order_to_the_pinned_source(tmp_path) -> None:
+    bl = _build_llama()
+    sdist = bl.fetch_sdist()
+    prefix = f"llama_cpp_python-{bl.VERSION}/vendor/llama.cpp/"
+    wanted = ("CMakeLists.txt", "include/", "src/")
+    with tarfile.open(sdist) as tf:
+        members = [m for m in tf.getmembers() if m.name.startswith(prefix) and m.name[len(prefix):].startswith(wanted)]
+        tf.extractall(tmp_path, members=members, filter="data")
+    src = tmp_path / f"llama_cpp_python-{bl.VERSION}"
+    patches = bl.patches()
+    assert [p.name[:4] for p in patches] == [f"{i:04d}" for i in range(1, len(patches) + 1)]
+    bl.apply_patches(src)  # exits with the rejected hunk if one does not apply
+    vendor = src / "vendor" / "llama.cpp"
+    assert "LLAMA_EDGEKV_API_VERSION 2" in (vendor / "include" / "llama-edgekv.h").read_text()
+    assert "llama_edgekv_kv_compact" in (vendor / "src" / "llama-edgekv.cpp").read_text()
+    assert not list(vendor.rglob("*.rej"))
+    readme = (ROOT / "ggml_patches" / "README.md").read_text()
+    for p in patches:
+        assert f"`{p.name}`" in readme
