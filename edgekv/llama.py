@@ -340,6 +340,7 @@ class Context:
     # -- decoding -------------------------------------------------------------
     def decode(self, tokens: list[int], start_pos: int, *, logits_last: bool = True, seq: int = 0) -> None:
         """Decode ``tokens`` at positions start_pos.. (<= n_batch tokens)."""
+        self._live()
         L = lib()
         n = len(tokens)
         if n == 0 or n > self.n_batch:
@@ -362,6 +363,7 @@ class Context:
             )
 
     def logits(self, i: int = -1) -> np.ndarray:
+        self._live()
         L = lib()
         ptr = L.llama_get_logits_ith(self.ptr, i)
         if not ptr:
@@ -370,23 +372,29 @@ class Context:
 
     # -- memory ---------------------------------------------------------------
     def pos_max(self, seq: int = 0) -> int:
+        self._live()
         return lib().llama_memory_seq_pos_max(self.mem, seq)
 
     def pos_min(self, seq: int = 0) -> int:
+        self._live()
         return lib().llama_memory_seq_pos_min(self.mem, seq)
 
     def clear(self) -> None:
+        self._live()
         lib().llama_memory_clear(self.mem, True)
 
     def seq_rm(self, seq: int, p0: int, p1: int) -> bool:
+        self._live()
         return bool(lib().llama_memory_seq_rm(self.mem, seq, p0, p1))
 
     def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        self._live()
         lib().llama_memory_seq_add(self.mem, seq, p0, p1, delta)
 
     def state_get(self, seq: int = 0) -> bytearray:
         """The sequence's state blob. llama.cpp writes straight into the returned
         buffer: a compaction round trip moves the whole cache, so copies count."""
+        self._live()
         L = lib()
         size = L.llama_state_seq_get_size(self.ptr, seq)
         out = bytearray(size)
@@ -396,6 +404,7 @@ class Context:
         return out
 
     def state_set(self, blob: bytes | bytearray, seq: int = 0) -> None:
+        self._live()
         L = lib()
         arr = ctypes.c_uint8 * len(blob)
         buf = arr.from_buffer(blob) if isinstance(blob, bytearray) else arr.from_buffer_copy(blob)
@@ -405,6 +414,11 @@ class Context:
                 f"llama.cpp rejected the sequence state ({n} of {len(blob)} bytes read): "
                 f"{last_log_error() or 'layout mismatch'}"
             )
+
+    def _live(self) -> None:
+        # a call on a freed llama_context would crash the process
+        if not self.ptr:
+            raise EdgekvError("the llama.cpp context is closed")
 
     def close(self) -> None:
         L = lib()

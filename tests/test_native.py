@@ -308,4 +308,10 @@ def test_native_snapshot_refuses_to_read_a_changed_cache(smollm2, toks) -> None:
     with pytest.raises(EdgekvError, match="changed since this snapshot"):
         snap.keys(0)
     assert eng.snapshot().keys(0).shape[0] == 101
+    snap = eng.snapshot()
     ctx.close()
+    # a closed context is refused, never touched
+    with pytest.raises(EdgekvError, match="context is closed"):
+        snap.keys(1)
+    with pytest.raises(EdgekvError, match="context is closed"):
+        eng.snapshot()

@@ -74,7 +74,6 @@ class NativeEngine(StateEngine):
             raise NativeUnsupported("edgekv's native bindings are not built (native/build_native.py) "
                                     "or libllama lacks edgekv's patches")
         self.ffi, self.lib = m
-        self._c = self.ffi.cast("struct llama_context *", _ptr(ctx))
         out = self.ffi.new("int32_t[5]")
         rc = self.lib.llama_edgekv_kv_info(self._c, out, out + 1, out + 2, out + 3, out + 4)
         if rc != 0:
@@ -85,6 +84,13 @@ class NativeEngine(StateEngine):
             raise NativeUnsupported("native engine: the cache's geometry differs from the model's")
 
     # -- helpers ---------------------------------------------------------------
+    @property
+    def _c(self) -> Any:
+        """The live llama_context; a closed one is refused (a snapshot may outlive its session)."""
+        if not self.ctx.ptr:
+            raise EdgekvError("the llama.cpp context is closed; the native engine cannot read it")
+        return self.ffi.cast("struct llama_context *", _ptr(self.ctx))
+
     def _check(self, rc: int, what: str) -> None:
         if rc == -1:
             raise NativeUnsupported(f"native {what}: {_ERRORS[-1]}")
