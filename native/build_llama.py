@@ -6,7 +6,7 @@ The result is a wheel cached outside the clone under
 everything that changes the binary: the llama-cpp-python version, the hash of
 every patch, the CMake flags, the compiler and the CPU features (ggml builds
 with -march=native). CI and fresh clones on the same machine reuse it; a
-machine without the cache builds it (about 5 minutes on 2 cores; ccache makes
+machine without the cache builds it (about 9 minutes on 2 cores; ccache makes
 rebuilds after a patch change much faster).
 
 Usage: python native/build_llama.py [--cuda] [--install] [--print-key]
@@ -143,7 +143,7 @@ def build(cuda: bool) -> Path:
         env.setdefault("CCACHE_NOHASHDIR", "1")
         tmp_out = Path(tmp) / "wheel"
         log(f"building llama-cpp-python {VERSION} with {len(patches())} patch(es), key {key} "
-            f"(about 5 minutes on 2 cores the first time)")
+            f"(about 9 minutes on 2 cores the first time)")
         r = subprocess.run(
             [sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(tmp_out), str(src)], env=env
         )
