@@ -68,9 +68,7 @@ def main() -> None:
             while len(toks) < max(sizes):
                 toks = toks + toks
             for n in sizes:
-                sess.ctx.clear()
-                sess.engine.reset()
-                sess.n_past = 0
+                sess.reset()
                 sess.feed(toks[:n])
                 saved = sess.save()
                 blob_bytes = len(saved[0].blob)

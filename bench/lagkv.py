@@ -48,10 +48,7 @@ def run_model(model_arg: str, a: argparse.Namespace, rows: list[dict], save) -> 
     t_model = time.perf_counter()
     for i in range(a.n):
         text, key = make_sample(sess.model, a.tokens, rng)
-        sess.ctx.clear()
-        sess.engine.reset()
-        sess.n_past = 0
-        sess.stats.tokens_seen = 0
+        sess.reset()
         t0 = time.perf_counter()
         sess.feed_text(text, add_special=True)
         prefill_s = time.perf_counter() - t0

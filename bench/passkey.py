@@ -69,10 +69,7 @@ def main() -> None:
         task = prog.add_task("passkey", total=a.n)
         for i in range(a.n):
             text, key = make_sample(sess.model, a.tokens, rng)
-            sess.ctx.clear()
-            sess.engine.reset()
-            sess.n_past = 0
-            sess.stats.tokens_seen = 0
+            sess.reset()
             t0 = time.perf_counter()
             sess.feed_text(text, add_special=True)
             prefill_s = time.perf_counter() - t0

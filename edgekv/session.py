@@ -165,6 +165,15 @@ class Session:
         self._sampler_cfg: SamplerConfig | None = None
         self._has_logits = False
 
+    def reset(self) -> None:
+        """Empty the sequence and its counters for a new document; the context stays allocated."""
+        self.ctx.clear()
+        self.engine.reset()
+        self.n_past = 0
+        self._since_compress = 0
+        self._has_logits = False
+        self.stats = Stats(n_ctx=self.stats.n_ctx, kv_bytes_per_cell=self.stats.kv_bytes_per_cell)
+
     # -- cache ---------------------------------------------------------------
     def _target(self, cells: int) -> int:
         if self.budget is not None:

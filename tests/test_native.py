@@ -9,6 +9,7 @@ import json
 
 import numpy as np
 import pytest
+from test_engine import _prefill
 
 from edgekv.errors import EdgekvError
 from edgekv.kvcache import layout
@@ -35,15 +36,6 @@ pytestmark = pytest.mark.skipif(load() is None, reason="edgekv native bindings n
 
 def _ctx(model, ck: str, cv: str, fa: str, n_ctx: int = 512) -> Context:
     return Context(model, n_ctx=n_ctx, cache_type_k=ck, cache_type_v=cv, flash_attn=fa, n_threads=2)
-
-
-def _prefill(ctx: Context, eng: StateEngine, toks: list[int]) -> None:
-    ctx.clear()
-    eng.reset()
-    for i in range(0, len(toks), 128):
-        part = toks[i : i + 128]
-        ctx.decode(part, i)
-        eng.note_decoded(len(part))
 
 
 def _keep(rng: np.random.Generator, L: int, H: int, n: int, b: int) -> np.ndarray:

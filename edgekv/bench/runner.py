@@ -133,17 +133,6 @@ def _evals(methods: list[str], ratios: list[float]) -> list[tuple[str, float]]:
     return out
 
 
-def _reset(sess) -> None:
-    """Empty the session's sequence for the next sample (keeps the context allocated)."""
-    from ..session import Stats
-
-    sess.ctx.clear()
-    sess.engine.reset()
-    sess.n_past = 0
-    sess._has_logits = False
-    sess.stats = Stats(n_ctx=sess.stats.n_ctx, kv_bytes_per_cell=sess.stats.kv_bytes_per_cell)
-
-
 def _use_method(sess, name: str, ratio: float) -> None:
     from ..methods import get_method
 
@@ -408,7 +397,7 @@ def run_quality(grid: Grid, *, log: Callable[[str], None] | None = None) -> Path
                 frame = tasks.chat_frame(model) if grid.chat and task != "ppl" else None
                 prep = _prepare(model, task, length, grid, i, frame)
                 rep.stage(f"{label} {ct} L={length} {task} #{i}: prefill", len(todo) + 1)
-                _reset(sess)
+                sess.reset()
                 t0 = time.perf_counter()
                 if task == "ppl":
                     sess.feed(prep.tokens[:-1])

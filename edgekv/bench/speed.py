@@ -119,7 +119,7 @@ def run_speed(grid: SpeedGrid, log: Callable[[str], None] | None = None) -> Path
     from ..methods import METHODS
     from ..models import resolve_model
     from ..session import Session
-    from .runner import _reset, _use_method, model_label
+    from .runner import _use_method, model_label
 
     log = log or (lambda s: print(s, flush=True))
     for m in grid.methods:
@@ -139,14 +139,14 @@ def run_speed(grid: SpeedGrid, log: Callable[[str], None] | None = None) -> Path
                     if model.arch.n_ctx_train and length > model.arch.n_ctx_train:
                         log(f"skip {label} {length}: above the trained context {model.arch.n_ctx_train}")
                         continue
-                    rows = _one(model, label, ct, length, grid, Session, METHODS, _reset, _use_method, log)
+                    rows = _one(model, label, ct, length, grid, Session, METHODS, _use_method, log)
                     _replace(path, rows, _key)
         finally:
             model.close()
     return path
 
 
-def _one(model, label, ct, length, grid: SpeedGrid, Session, METHODS, _reset, _use_method, log) -> list[dict]:
+def _one(model, label, ct, length, grid: SpeedGrid, Session, METHODS, _use_method, log) -> list[dict]:
     toks = long_text_tokens(model, length)
     base = {"model": label, "cache_type": ct, "length": length, "threads": grid.threads}
     rows: list[dict] = []

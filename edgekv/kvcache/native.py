@@ -188,20 +188,16 @@ class NativeEngine(StateEngine):
             raise StateLayoutError("saved log-count bias does not match the saved cells")
         self._gen += 1
         super().restore(state)
-        if state.bias is not None or self.bias_enabled:
-            bias = state.bias if state.bias is not None else np.zeros((self.n_layer, self.n_kv_head, state.n_cells),
-                                                                      np.float32)
-            self.bias_set(bias, cell_order=False)
+        # llama.cpp zeroes the bias of every cell a restore writes (apply_ubatch, patch 0003)
+        if state.bias is not None:
+            self.bias_set(state.bias, cell_order=False)
 
     # -- native-only ops -------------------------------------------------------
-    def _to_cells(self, a: np.ndarray, cell_order: bool) -> tuple[np.ndarray, np.ndarray]:
-        """Reorder the last axis from position order to cell order; also returns the order."""
-        order = np.argsort(self.cell_positions(), kind="stable")
-        if cell_order:
-            return a, order
+    def _to_cells(self, a: np.ndarray) -> np.ndarray:
+        """Reorder the last axis from position order to cell order."""
         out = np.empty_like(a)
-        out[..., order] = a
-        return out, order
+        out[..., np.argsort(self.cell_positions(), kind="stable")] = a
+        return out
 
     def read(self, layer: int, cell_order: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Layer ``layer``'s K and V as stored (rotated when llama.cpp rotates them):
@@ -237,8 +233,7 @@ class NativeEngine(StateEngine):
         bias = np.asarray(bias, np.float32)
         if bias.shape != (self.n_layer, self.n_kv_head, self._n_cells):
             raise EdgekvError(f"bias must be [n_layer, n_kv_head, n_cells], got {bias.shape}")
-        bias, _ = self._to_cells(bias, cell_order)
-        bias = np.ascontiguousarray(bias)
+        bias = np.ascontiguousarray(bias if cell_order else self._to_cells(bias))
         self._check(self.lib.llama_edgekv_kv_bias_set(self._c, self.seq, self._f32(bias), self._n_cells), "bias_set")
 
     def merge(self, members: np.ndarray, weights: np.ndarray) -> None:
