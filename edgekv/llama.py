@@ -135,6 +135,7 @@ class Model:
         from .models import validate_gguf
 
         self.path = Path(path)
+        self.n_gpu_layers = n_gpu_layers
         validate_gguf(self.path)
         L = lib()
         params = L.llama_model_default_params()
@@ -281,6 +282,23 @@ def hadamard(n: int) -> np.ndarray:
     return h
 
 
+def resolve_flash_attn(flash_attn: str, cache_type_v: str, n_gpu_layers: int) -> str:
+    """What ``auto`` means for edgekv: off for an unquantised V cache on the CPU.
+
+    llama.cpp's own ``auto`` turns flash attention on wherever the backend has
+    the op, the CPU included. On the CPU that costs 2-3x in decode: measured
+    here (SmolLM2-135M, f16 cache, 2 threads) 22 vs 46 ms/token at 1k tokens
+    of context and 39 vs 117 ms/token at 4k, for about the same prefill speed
+    (``bench/RESULTS.md``). A quantised V cache needs flash attention, and on
+    a GPU llama.cpp knows best, so those keep ``on``/``auto``.
+    """
+    if flash_attn != "auto":
+        return flash_attn
+    if cache_type_v not in ("f16", "f32", "bf16"):
+        return "on"
+    return "auto" if n_gpu_layers > 0 else "off"
+
+
 class Context:
     """A llama.cpp context (KV cache + compute) for one model, one sequence (seq 0)."""
 
@@ -306,6 +324,8 @@ class Context:
             )
         if n_ctx < 16:
             raise EdgekvError(f"n_ctx={n_ctx} is too small (minimum 16)")
+        requested = flash_attn
+        flash_attn = resolve_flash_attn(flash_attn, cache_type_v, model.n_gpu_layers)
         self.model = model
         p = L.llama_context_default_params()
         p.n_ctx = n_ctx
@@ -333,7 +353,8 @@ class Context:
         self.n_batch = p.n_batch
         self.cache_type_k = cache_type_k
         self.cache_type_v = cache_type_v
-        self.flash_attn = flash_attn
+        self.flash_attn = flash_attn  # as resolved; "auto" only where llama.cpp decides (GPU offload)
+        self.flash_attn_requested = requested
         self._batch = L.llama_batch_init(self.n_batch, 0, 1)
         self.k_rot, self.v_rot = _rotation_from_log(created_log, model.arch)
 

@@ -268,15 +268,22 @@ def test_tiny_sweep_end_to_end(smollm2_path, tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_batched_scoring_matches_token_by_token(smollm2) -> None:
-    """ppl scores a whole continuation in one batch; it must equal feeding it token by token."""
+@pytest.mark.parametrize(("fa", "tol"), [("on", 0.05), ("off", 1.0)])
+def test_batched_scoring_matches_token_by_token(smollm2, fa: str, tol: float) -> None:
+    """ppl scores a whole continuation in one batch; it must equal feeding it token by token.
+
+    With flash attention the two paths are bit-identical. Without it, llama.cpp's
+    CPU matmul takes another kernel for part of a batch, and the logits move by
+    up to about 0.7 (the same size as flash attention on against off); an
+    off-by-one in the batch's positions or logits would move them by far more
+    and change the argmax."""
     from edgekv.bench.runner import _feed_logits
     from edgekv.session import Session
 
     toks = smollm2.tokenize("Emma Woodhouse, handsome, clever, and rich, with a comfortable home and happy "
                             "disposition, seemed to unite some of the best blessings of existence. " * 3)
     ctx, ev = toks[:40], toks[40:52]
-    with Session(smollm2, method="full", n_ctx=128, chunk=64, n_threads=1) as s:
+    with Session(smollm2, method="full", n_ctx=128, chunk=64, n_threads=1, flash_attn=fa) as s:
         s.feed(ctx)
         saved = s.save()
         batched = [lg.copy() for lg in _feed_logits(s, ev)]
@@ -288,4 +295,4 @@ def test_batched_scoring_matches_token_by_token(smollm2) -> None:
             single.append(s.logits())
     for a, b in zip(batched, single, strict=True):
         assert np.argmax(a) == np.argmax(b)
-        assert np.abs(a - b).max() < 0.05
+        assert np.abs(a - b).max() < tol

@@ -34,6 +34,19 @@ def _plain_llama_greedy(path, tokens: list[int], n: int, flash_attn: bool) -> li
     return out
 
 
+@pytest.mark.parametrize(("ct", "want", "v_trans"), [("f16", "off", True), ("q8_0", "on", False)])
+def test_auto_flash_attention_is_what_the_cpu_cache_needs(smollm2, ct: str, want: str, v_trans: bool) -> None:
+    """edgekv's ``auto`` turns flash attention off for an unquantised V cache on the
+    CPU (llama.cpp's own auto turns it on, and decodes 2-3x slower there) and on for
+    a quantised V, which needs it; the cache llama.cpp built must agree (V transposed
+    exactly when flash attention is off)."""
+    with Session(smollm2, n_ctx=64, cache_type_k=ct, cache_type_v=ct, n_threads=2) as s:
+        assert (s.ctx.flash_attn, s.ctx.flash_attn_requested) == (want, "auto")
+        s.feed(smollm2.tokenize(PROMPT)[:8])
+        sec = layout.parse_seq_state(s.ctx.state_get(), n_caches=1, n_layers=[smollm2.arch.n_layer]).sections[0]
+        assert sec.v_trans is v_trans and sec.n_cells == 8
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fa", ["on", "off"])
 def test_full_and_large_budget_match_plain_llama_cpp_greedy(smollm2, smollm2_path, fa: str) -> None:

@@ -31,6 +31,8 @@ ModelOpt = Annotated[
 ]
 OutOpt = Annotated[Path, typer.Option("--out", help="Results directory (JSON lines, report.md, plots).")]
 CacheOpt = Annotated[str, typer.Option("--cache-types", help="KV cache types, comma-separated: f16, q8_0, q4_0, ...")]
+FaHelp = ("Flash attention: auto (edgekv's: off for an unquantised V cache on the CPU, where it is 2-3x slower "
+          "to decode; on for a quantised V cache), on or off.")
 ThreadsOpt = Annotated[int | None, typer.Option("--threads", "-t", help="CPU threads (default: all cores).")]
 
 
@@ -77,6 +79,7 @@ def quality(
     lengths: Annotated[str, typer.Option(help="Context lengths in tokens (1k = 1024); lengths above the model's trained context are skipped.")] = "1k",
     tasks: Annotated[str, typer.Option(help="Tasks, comma-separated, or 'all': passkey, niah_single, niah_multikey, niah_multivalue, vt, cwe, ppl.")] = DEFAULT_TASKS,
     cache_types: CacheOpt = "f16",
+    flash_attn: Annotated[str, typer.Option("--flash-attn", "-fa", help=FaHelp)] = "auto",
     out: OutOpt = DEFAULT_OUT,
     seed: Annotated[int, typer.Option(help="Seed of the task generators.")] = 0,
     query_aware: Annotated[bool, typer.Option("--query-aware/--query-agnostic", help="Also put the question before the context, inside the compressed part.")] = False,
@@ -94,7 +97,7 @@ def quality(
     try:
         task_list = list(task_mod.TASKS) if tasks.strip() == "all" else _list(tasks)
         grid = Grid(models=_models(model), methods=_list(methods), ratios=_floats(ratios, "--ratios"),
-                    lengths=_ints(lengths, "--lengths"), tasks=task_list, cache_types=_list(cache_types), n=n,
+                    lengths=_ints(lengths, "--lengths"), tasks=task_list, cache_types=_list(cache_types), n=n, flash_attn=flash_attn,
                     n_ppl=n_ppl, n_shift=n_shift or None, seed=seed, query_aware=query_aware, chat=chat, eval_tokens=eval_tokens,
                     threads=threads, out=out)
         from .text import find_data_dir
@@ -115,6 +118,7 @@ def speed(
     ratio: Annotated[float, typer.Option(help="Fraction of cells removed by the compressed runs.")] = 0.75,
     lengths: Annotated[str, typer.Option(help="Context lengths (1k = 1024).")] = "1k,2k,4k",
     cache_types: CacheOpt = "f16",
+    flash_attn: Annotated[str, typer.Option("--flash-attn", "-fa", help=FaHelp + " Comma-separated: each is measured.")] = "auto",
     decode_tokens: Annotated[int, typer.Option(help="Tokens decoded per measurement.")] = 64,
     stream: Annotated[bool, typer.Option("--stream/--no-stream", help="Also ingest the text through a bounded cache (compressing as it fills).")] = True,
     out: OutOpt = DEFAULT_OUT,
@@ -131,7 +135,7 @@ def speed(
         if "full" not in ms:
             ms.insert(0, "full")
         grid = SpeedGrid(models=_models(model), methods=ms, ratio=ratio, lengths=_ints(lengths, "--lengths"),
-                         cache_types=_list(cache_types), decode_tokens=decode_tokens, stream=stream,
+                         cache_types=_list(cache_types), flash_attn=_list(flash_attn), decode_tokens=decode_tokens, stream=stream,
                          threads=threads, out=out)
         from .text import find_data_dir
 

@@ -31,6 +31,12 @@ class Table:
         from .runner import row_key
 
         rows = list({row_key(r): r for r in rows}.values())  # one row per key (the last written)
+        # A cache type measured both with and without flash attention gets one column each.
+        fas: dict[str, set[str]] = defaultdict(set)
+        for r in rows:
+            fas[r["cache_type"]].add(r.get("flash_attn", "on"))
+        rows = [r if len(fas[r["cache_type"]]) == 1 else
+                {**r, "cache_type": f"{r['cache_type']} FA {r.get('flash_attn', 'on')}"} for r in rows]
         self.rows = [r for r in rows if r.get("score") is not None]
         self.errors = [r for r in rows if r.get("score") is None]
         self.cell: dict[tuple, list[dict]] = defaultdict(list)
@@ -172,14 +178,14 @@ def speed_markdown(rows: list[dict]) -> list[str]:
                "streaming events; overhead = compression time / prefill time. Peak RSS is the process "
                "high-water mark during that measurement.")
     out.append("")
-    head = ["model", "cache", "context", "mode", "method", "ratio", "prefill tok/s", "decode tok/s",
+    head = ["model", "cache", "FA", "context", "mode", "method", "ratio", "prefill tok/s", "decode tok/s",
             "cells", "KV MiB", "compress s", "events", "overhead %", "peak RSS MiB"]
     out.append("| " + " | ".join(head) + " |")
-    out.append("|" + "|".join(["---"] * 6 + ["---:"] * (len(head) - 6)) + "|")
-    for r in sorted(rows, key=lambda r: (r["model"], r["cache_type"], r["length"], r["mode"] != "oneshot",
-                                         r["method"] != "full", r["method"], r["ratio"])):
+    out.append("|" + "|".join(["---"] * 7 + ["---:"] * (len(head) - 7)) + "|")
+    for r in sorted(rows, key=lambda r: (r["model"], r["cache_type"], r.get("flash_attn", "on"), r["length"],
+                                         r["mode"] != "oneshot", r["method"] != "full", r["method"], r["ratio"])):
         out.append("| " + " | ".join([
-            r["model"], r["cache_type"], str(r["length"]), r["mode"], r["method"],
+            r["model"], r["cache_type"], r.get("flash_attn", "on"), str(r["length"]), r["mode"], r["method"],
             "–" if not r["ratio"] else f"{r['ratio']:g}",
             _fmt(r.get("prefill_tok_s"), 0), _fmt(r.get("decode_tok_s"), 1), str(r.get("cells", "–")),
             _fmt(r.get("kv_bytes", 0) / 2**20, 2), _fmt(r.get("compress_s"), 3), str(r.get("compressions", "–")),
@@ -280,7 +286,7 @@ def plot_speed(rows: list[dict], results_dir: Path) -> list[Path]:
     by_model = defaultdict(list)
     for r in rows:
         if r["mode"] == "oneshot" and r.get("decode_tok_s"):
-            by_model[(r["model"], r["cache_type"])].append(r)
+            by_model[(r["model"], f"{r['cache_type']}, FA {r.get('flash_attn', 'on')}")].append(r)
     if not by_model:
         return written
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
@@ -292,7 +298,7 @@ def plot_speed(rows: list[dict], results_dir: Path) -> list[Path]:
         for j, (label, pts) in enumerate(sorted(series.items(), key=lambda kv: (kv[0] != "full", kv[0]))):
             pts.sort()
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=4, color=f"C{j}",
-                    ls="-" if i == 0 else "--", label=f"{label} ({model}, {ct})")
+                    ls=["-", "--", ":", "-."][i % 4], label=f"{label} ({model}, {ct})")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context length (tokens prefilled)")
     ax.set_ylabel("decode tok/s")

@@ -47,6 +47,7 @@ class Grid:
     lengths: list[int] = field(default_factory=lambda: [1024])
     tasks: list[str] = field(default_factory=lambda: list(DEFAULT_TASKS))
     cache_types: list[str] = field(default_factory=lambda: ["f16"])
+    flash_attn: str = "auto"  # resolved per cache type (llama.resolve_flash_attn); recorded in every row
     n: int = 20
     n_ppl: int | None = None  # samples of the ppl task (default: n)
     n_shift: int | None = 5  # samples per task for position-shifting methods (one prefill per ratio); None: all
@@ -86,12 +87,19 @@ class Grid:
 
         for ct in self.cache_types:
             type_by_name(ct)
+            if ct not in ("f16", "f32", "bf16") and self.flash_attn == "off":
+                raise EdgekvError(f"a quantised V cache ({ct}) needs flash attention; use --flash-attn on or auto")
+        from ..llama import FLASH_ATTN
+
+        if self.flash_attn not in FLASH_ATTN:
+            raise EdgekvError(f"--flash-attn must be one of {', '.join(FLASH_ATTN)}, got {self.flash_attn!r}")
         self.method_names()
 
 
 def row_key(r: dict) -> str:
-    return "|".join(str(r[k]) for k in ("model", "cache_type", "task", "length", "seed", "protocol", "template",
-                                        "sample", "method", "ratio"))
+    # Rows written before flash attention was recorded all ran with it on.
+    return "|".join([*(str(r[k]) for k in ("model", "cache_type", "task", "length", "seed", "protocol", "template",
+                                           "sample", "method", "ratio")), str(r.get("flash_attn", "on"))])
 
 
 def load_rows(path: Path) -> list[dict]:
@@ -263,7 +271,7 @@ def _run_streaming(model, grid: Grid, cache_type: str, prep: Prepared, method: s
     n_ctx = max(64, math.floor(n_prompt * (1.0 - ratio)))
     chunk = max(8, min(256, n_ctx // 4))
     with Session(model, method=method, n_ctx=n_ctx, chunk=chunk, cache_type_k=cache_type,
-                 cache_type_v=cache_type, n_threads=grid.threads) as sess:
+                 cache_type_v=cache_type, flash_attn=grid.flash_attn, n_threads=grid.threads) as sess:
         t0 = time.perf_counter()
         if prep.sample.task == "ppl":
             sess.feed(prep.tokens[:-1])
@@ -338,7 +346,7 @@ def plan(grid: Grid) -> Iterator[tuple[str | None, str, int, str, int]]:
 
 def run_quality(grid: Grid, *, log: Callable[[str], None] | None = None) -> Path:
     """Run (or resume) the sweep; returns the results file."""
-    from ..llama import Model
+    from ..llama import Model, resolve_flash_attn
     from ..methods import METHODS
     from ..models import resolve_model
     from ..session import Session
@@ -375,8 +383,9 @@ def run_quality(grid: Grid, *, log: Callable[[str], None] | None = None) -> Path
                     p = resolve_model(model_arg)
                     models[model_arg] = (Model(p), model_label(model_arg, p))
                 model, label = models[model_arg]
+                fa = resolve_flash_attn(grid.flash_attn, ct, model.n_gpu_layers)
                 base = {"model": label, "cache_type": ct, "task": task, "length": length, "seed": grid.seed,
-                        "protocol": protocol, "template": template, "sample": i}
+                        "protocol": protocol, "template": template, "sample": i, "flash_attn": fa}
                 mine = evals_for(i)
                 todo = [(m, r) for m, r in mine if row_key({**base, "method": m, "ratio": r}) not in done]
                 if not todo:
@@ -392,7 +401,8 @@ def run_quality(grid: Grid, *, log: Callable[[str], None] | None = None) -> Path
                     if sess is not None:
                         sess.close()
                     sess = Session(model, method="full", n_ctx=length + grid.eval_tokens + 64, chunk=512,
-                                   cache_type_k=ct, cache_type_v=ct, n_threads=grid.threads)
+                                   cache_type_k=ct, cache_type_v=ct, flash_attn=grid.flash_attn,
+                                   n_threads=grid.threads)
                     sess_key = key
                 frame = tasks.chat_frame(model) if grid.chat and task != "ppl" else None
                 prep = _prepare(model, task, length, grid, i, frame)

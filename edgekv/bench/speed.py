@@ -40,6 +40,7 @@ class SpeedGrid:
     ratio: float = 0.75
     lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
     cache_types: list[str] = field(default_factory=lambda: ["f16"])
+    flash_attn: list[str] = field(default_factory=lambda: ["auto"])  # each value is measured
     decode_tokens: int = 64
     stream: bool = True
     threads: int | None = None
@@ -111,11 +112,12 @@ def _replace(path: Path, rows: list[dict], key: Callable[[dict], tuple]) -> None
 
 
 def _key(r: dict) -> tuple:
-    return (r["model"], r["cache_type"], r["length"], r["mode"], r["method"], r["ratio"])
+    # Rows written before flash attention was recorded all ran with it on.
+    return (r["model"], r["cache_type"], r.get("flash_attn", "on"), r["length"], r["mode"], r["method"], r["ratio"])
 
 
 def run_speed(grid: SpeedGrid, log: Callable[[str], None] | None = None) -> Path:
-    from ..llama import Model
+    from ..llama import FLASH_ATTN, Model, resolve_flash_attn
     from ..methods import METHODS
     from ..models import resolve_model
     from ..session import Session
@@ -127,6 +129,9 @@ def run_speed(grid: SpeedGrid, log: Callable[[str], None] | None = None) -> Path
             raise EdgekvError(f"unknown method {m!r}; available: {', '.join(METHODS)}")
     if not 0.0 < grid.ratio < 1.0:
         raise EdgekvError("--ratio must be in (0, 1)")
+    for fa in grid.flash_attn:
+        if fa not in FLASH_ATTN:
+            raise EdgekvError(f"--flash-attn must be one of {', '.join(FLASH_ATTN)}, got {fa!r}")
     grid.out.mkdir(parents=True, exist_ok=True)
     path = grid.out / SPEED_FILE
     for model_arg in grid.models:
@@ -135,24 +140,32 @@ def run_speed(grid: SpeedGrid, log: Callable[[str], None] | None = None) -> Path
         label = model_label(model_arg, mpath)
         try:
             for ct in grid.cache_types:
-                for length in grid.lengths:
-                    if model.arch.n_ctx_train and length > model.arch.n_ctx_train:
-                        log(f"skip {label} {length}: above the trained context {model.arch.n_ctx_train}")
-                        continue
-                    rows = _one(model, label, ct, length, grid, Session, METHODS, _use_method, log)
-                    _replace(path, rows, _key)
+                fas = []
+                for fa in grid.flash_attn:
+                    r = resolve_flash_attn(fa, ct, model.n_gpu_layers)
+                    if r == "off" and ct not in ("f16", "f32", "bf16"):
+                        log(f"skip {label} {ct} with flash attention off: a quantised V cache needs it")
+                    elif r not in fas:
+                        fas.append(r)
+                for fa in fas:
+                    for length in grid.lengths:
+                        if model.arch.n_ctx_train and length > model.arch.n_ctx_train:
+                            log(f"skip {label} {length}: above the trained context {model.arch.n_ctx_train}")
+                            continue
+                        rows = _one(model, label, ct, fa, length, grid, Session, METHODS, _use_method, log)
+                        _replace(path, rows, _key)
         finally:
             model.close()
     return path
 
 
-def _one(model, label, ct, length, grid: SpeedGrid, Session, METHODS, _use_method, log) -> list[dict]:
+def _one(model, label, ct, fa, length, grid: SpeedGrid, Session, METHODS, _use_method, log) -> list[dict]:
     toks = long_text_tokens(model, length)
-    base = {"model": label, "cache_type": ct, "length": length, "threads": grid.threads}
+    base = {"model": label, "cache_type": ct, "flash_attn": fa, "length": length, "threads": grid.threads}
     rows: list[dict] = []
     n_ctx = length + grid.decode_tokens + 16
     with Session(model, method="full", n_ctx=n_ctx, chunk=512, cache_type_k=ct, cache_type_v=ct,
-                 n_threads=grid.threads) as sess:
+                 flash_attn=fa, n_threads=grid.threads) as sess:
         _reset_peak()
         t0 = time.perf_counter()
         sess.feed(toks)
@@ -165,7 +178,7 @@ def _one(model, label, ct, length, grid: SpeedGrid, Session, METHODS, _use_metho
                      "prefill_tok_s": round(length / prefill_s, 1), "decode_tok_s": round(dec, 2),
                      "cells": n_prompt, "kv_bytes": n_prompt * per_cell, "kv_bytes_allocated": n_ctx * per_cell,
                      "peak_rss_mib": round(_status("VmHWM"), 1)})
-        log(f"{label} {ct} {length}: prefill {length / prefill_s:.0f} tok/s, full-cache decode {dec:.1f} tok/s, "
+        log(f"{label} {ct} fa={fa} {length}: prefill {length / prefill_s:.0f} tok/s, full-cache decode {dec:.1f} tok/s, "
             f"KV {n_prompt * per_cell / 2**20:.1f} MiB")
         target = max(1, math.floor(n_prompt * (1 - grid.ratio)))
         for m in grid.methods:
@@ -202,7 +215,7 @@ def _one(model, label, ct, length, grid: SpeedGrid, Session, METHODS, _use_metho
         kw = {"n_ctx": budget + 256} if shift else {"budget": budget, "n_ctx": budget + 256}
         try:
             sess = Session(model, method=m, chunk=256, cache_type_k=ct, cache_type_v=ct,
-                           n_threads=grid.threads, **kw)
+                           flash_attn=fa, n_threads=grid.threads, **kw)
         except EdgekvError as e:
             log(f"  stream {m}: {e}")
             continue
