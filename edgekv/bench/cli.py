@@ -85,7 +85,7 @@ def quality(
     query_aware: Annotated[bool, typer.Option("--query-aware/--query-agnostic", help="Also put the question before the context, inside the compressed part.")] = False,
     chat: Annotated[bool, typer.Option("--chat/--raw", help="Wrap the prompt in the model's chat template.")] = True,
     n_ppl: Annotated[int | None, typer.Option("--n-ppl", help="Samples of the ppl task (default: --n).")] = None,
-    n_shift: Annotated[int, typer.Option("--n-shift", help="Samples per task for llama.cpp's context shift, which needs its own prefill per ratio (0 = all --n).")] = 5,
+    n_shift: Annotated[int, typer.Option("--n-shift", help="Samples per task for llama.cpp's context shift, which needs its own prefill per ratio (0 = all --n).")] = 2,
     eval_tokens: Annotated[int, typer.Option(help="ppl: tokens scored after the compressed passage.")] = 128,
     threads: ThreadsOpt = None,
     report: Annotated[bool, typer.Option("--report/--no-report", help="Write report.md and plots at the end.")] = True,

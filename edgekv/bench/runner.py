@@ -35,7 +35,7 @@ from . import scoring, tasks
 RESULTS_FILE = "results.jsonl"
 DEFAULT_RATIOS = (0.5, 0.75, 0.875, 0.9375)
 SINGLE_ANSWER = ("passkey", "niah_single", "niah_multikey")
-# The default grid: about half an hour for --n 20 on 2 cores with SmolLM2-135M.
+# The default grid: about half an hour for --n 20 on 2 cores with SmolLM2-135M (bench/RESULTS.md).
 DEFAULT_TASKS = ("niah_single", "niah_multikey", "vt", "ppl")
 
 
@@ -50,7 +50,7 @@ class Grid:
     flash_attn: str = "auto"  # resolved per cache type (llama.resolve_flash_attn); recorded in every row
     n: int = 20
     n_ppl: int | None = None  # samples of the ppl task (default: n)
-    n_shift: int | None = 5  # samples per task for position-shifting methods (one prefill per ratio); None: all
+    n_shift: int | None = 2  # samples per task for position-shifting methods (one prefill per ratio); None: all
     seed: int = 0
     query_aware: bool = False
     chat: bool = True
