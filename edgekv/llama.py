@@ -282,19 +282,31 @@ def hadamard(n: int) -> np.ndarray:
     return h
 
 
+UNQUANTISED_V = ("f16", "f32", "bf16")  # the V cache types llama.cpp can use without flash attention
+
+
+def check_flash_attn(flash_attn: str, cache_type_v: str) -> None:
+    """The one-line errors for a flash-attention setting llama.cpp cannot run."""
+    if flash_attn not in FLASH_ATTN:
+        raise EdgekvError(f"--flash-attn must be one of {', '.join(FLASH_ATTN)}, got {flash_attn!r}")
+    if cache_type_v not in UNQUANTISED_V and flash_attn == "off":
+        raise EdgekvError(f"a quantised V cache ({cache_type_v}) needs flash attention; use --flash-attn on or auto")
+
+
 def resolve_flash_attn(flash_attn: str, cache_type_v: str, n_gpu_layers: int) -> str:
     """What ``auto`` means for edgekv: off for an unquantised V cache on the CPU.
 
     llama.cpp's own ``auto`` turns flash attention on wherever the backend has
-    the op, the CPU included. On the CPU that costs 2-3x in decode: measured
-    here (SmolLM2-135M, f16 cache, 2 threads) 22 vs 46 ms/token at 1k tokens
-    of context and 39 vs 117 ms/token at 4k, for about the same prefill speed
-    (``bench/RESULTS.md``). A quantised V cache needs flash attention, and on
-    a GPU llama.cpp knows best, so those keep ``on``/``auto``.
+    the op, the CPU included. On the CPU that makes decoding 2.4-3.5x slower
+    for about the same prefill speed: measured here (SmolLM2-135M, f16 cache,
+    2 threads, ``bench/flash_attn.py``) 22.1 vs 52.0 ms/token at 1k tokens of
+    context and 35.4 vs 124.8 at 4k (``bench/RESULTS.md``). A quantised V
+    cache needs flash attention, and on a GPU llama.cpp knows best, so those
+    keep ``on``/``auto``.
     """
     if flash_attn != "auto":
         return flash_attn
-    if cache_type_v not in ("f16", "f32", "bf16"):
+    if cache_type_v not in UNQUANTISED_V:
         return "on"
     return "auto" if n_gpu_layers > 0 else "off"
 
@@ -315,13 +327,8 @@ class Context:
         n_seq_max: int = 1,
     ) -> None:
         L = lib()
-        if flash_attn not in FLASH_ATTN:
-            raise EdgekvError(f"--flash-attn must be one of {', '.join(FLASH_ATTN)}, got {flash_attn!r}")
         tk, tv = cache_type_id(cache_type_k), cache_type_id(cache_type_v)
-        if cache_type_v not in ("f16", "f32", "bf16") and flash_attn == "off":
-            raise EdgekvError(
-                f"a quantised V cache ({cache_type_v}) needs flash attention; use --flash-attn on or auto"
-            )
+        check_flash_attn(flash_attn, cache_type_v)
         if n_ctx < 16:
             raise EdgekvError(f"n_ctx={n_ctx} is too small (minimum 16)")
         requested = flash_attn

@@ -84,15 +84,11 @@ class Grid:
         if self.n < 1:
             raise EdgekvError("--n must be at least 1")
         from ..kvcache.quant import type_by_name
+        from ..llama import check_flash_attn
 
         for ct in self.cache_types:
             type_by_name(ct)
-            if ct not in ("f16", "f32", "bf16") and self.flash_attn == "off":
-                raise EdgekvError(f"a quantised V cache ({ct}) needs flash attention; use --flash-attn on or auto")
-        from ..llama import FLASH_ATTN
-
-        if self.flash_attn not in FLASH_ATTN:
-            raise EdgekvError(f"--flash-attn must be one of {', '.join(FLASH_ATTN)}, got {self.flash_attn!r}")
+            check_flash_attn(self.flash_attn, ct)
         self.method_names()
 
 

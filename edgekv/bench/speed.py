@@ -117,7 +117,7 @@ def _key(r: dict) -> tuple:
 
 
 def run_speed(grid: SpeedGrid, log: Callable[[str], None] | None = None) -> Path:
-    from ..llama import FLASH_ATTN, Model, resolve_flash_attn
+    from ..llama import UNQUANTISED_V, Model, check_flash_attn, resolve_flash_attn
     from ..methods import METHODS
     from ..models import resolve_model
     from ..session import Session
@@ -130,8 +130,7 @@ def run_speed(grid: SpeedGrid, log: Callable[[str], None] | None = None) -> Path
     if not 0.0 < grid.ratio < 1.0:
         raise EdgekvError("--ratio must be in (0, 1)")
     for fa in grid.flash_attn:
-        if fa not in FLASH_ATTN:
-            raise EdgekvError(f"--flash-attn must be one of {', '.join(FLASH_ATTN)}, got {fa!r}")
+        check_flash_attn(fa, "f16")  # a known setting; quantised caches skip "off" below
     grid.out.mkdir(parents=True, exist_ok=True)
     path = grid.out / SPEED_FILE
     for model_arg in grid.models:
@@ -143,7 +142,7 @@ def run_speed(grid: SpeedGrid, log: Callable[[str], None] | None = None) -> Path
                 fas = []
                 for fa in grid.flash_attn:
                     r = resolve_flash_attn(fa, ct, model.n_gpu_layers)
-                    if r == "off" and ct not in ("f16", "f32", "bf16"):
+                    if r == "off" and ct not in UNQUANTISED_V:
                         log(f"skip {label} {ct} with flash attention off: a quantised V cache needs it")
                     elif r not in fas:
                         fas.append(r)
