@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .capture import Capture
+from .capture import available as capture_available
 from .errors import EdgekvError, ModelError
 
 # Populated lazily: importing llama_cpp loads libllama, which is slow-ish and
@@ -23,7 +25,7 @@ from .errors import EdgekvError, ModelError
 _L = None
 _log_cb = None
 _log_tail: list[str] = []
-_capture: list[str] | None = None  # all log lines while a Context is being created
+_creation_log: list[str] | None = None  # all log lines while a Context is being created
 _verbose = bool(os.environ.get("EDGEKV_VERBOSE"))
 
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
@@ -45,8 +47,8 @@ def lib():
         if msg.strip():
             _log_tail.append(msg.rstrip())
             del _log_tail[:-50]
-            if _capture is not None:
-                _capture.append(msg)
+            if _creation_log is not None:
+                _creation_log.append(msg)
         if _verbose:
             os.write(2, text or b"")
 
@@ -325,6 +327,7 @@ class Context:
         flash_attn: str = "auto",
         n_threads: int | None = None,
         n_seq_max: int = 1,
+        capture: bool = True,
     ) -> None:
         L = lib()
         tk, tv = cache_type_id(cache_type_k), cache_type_id(cache_type_v)
@@ -346,13 +349,19 @@ class Context:
         p.type_v = tv
         p.flash_attn_type = FLASH_ATTN[flash_attn]
         p.no_perf = True
-        global _capture
-        _capture = []
+        # The eval callback can only be set now; an idle capture costs a name check per node.
+        self.capture = Capture(model.arch.n_layer) if capture and capture_available() else None
+        if self.capture is not None:
+            self._cb_eval = L.ggml_backend_sched_eval_callback(self.capture.callback_address())
+            p.cb_eval = self._cb_eval
+            p.cb_eval_user_data = self.capture.user_data()
+        global _creation_log
+        _creation_log = []
         try:
             self.ptr = L.llama_init_from_model(model.ptr, p)
-            created_log = "".join(_capture)
+            created_log = "".join(_creation_log)
         finally:
-            _capture = None
+            _creation_log = None
         if not self.ptr:
             raise EdgekvError(f"llama.cpp could not create a context: {last_log_error() or 'unknown error'}")
         self.mem = L.llama_get_memory(self.ptr)

@@ -9,7 +9,18 @@ with -march=native). CI and fresh clones on the same machine reuse it; a
 machine without the cache builds it (about 9 minutes on 2 cores; ccache makes
 rebuilds after a patch change much faster).
 
-Usage: python native/build_llama.py [--cuda] [--install] [--print-key]
+Options:
+
+- ``--cpu avx2`` (or ``EDGEKV_CPU=avx2``): ``-DGGML_NATIVE=OFF`` with ggml's
+  default x86-64 set (SSE3 SSSE3 AVX AVX2 F16C FMA BMI2), no AVX-512, so an
+  AVX-512 machine runs the kernels an AVX2-only CPU (AMD EPYC here) runs.
+- ``--stock``: llama-cpp-python without the patch set, same flags (the
+  baseline of ``bench/patch_overhead.py``).
+- ``--target DIR``: install the wheel into DIR (``pip install --target``)
+  instead of this Python.
+
+Usage: python native/build_llama.py [--cuda] [--cpu native|avx2] [--stock]
+                                    [--install | --target DIR] [--print-key]
 """
 
 from __future__ import annotations
@@ -44,14 +55,16 @@ BASE_FLAGS = [
     f"-DCMAKE_CXX_FLAGS={AMX_OFF}",
 ]
 CUDA_FLAGS = ["-DGGML_CUDA=ON"]
+# ggml's defaults without GGML_NATIVE: AVX, AVX2, BMI2, FMA, F16C on; AVX-512 and AMX off
+CPU_FLAGS = {"native": [], "avx2": ["-DGGML_NATIVE=OFF"]}
 
 
 def log(msg: str) -> None:
     print(f"[edgekv build] {msg}", file=sys.stderr, flush=True)
 
 
-def patches() -> list[Path]:
-    return sorted(PATCH_DIR.glob("*.patch"))
+def patches(stock: bool = False) -> list[Path]:
+    return [] if stock else sorted(PATCH_DIR.glob("*.patch"))
 
 
 def cpu_signature() -> str:
@@ -71,8 +84,8 @@ def compiler_signature() -> str:
         return "?"
 
 
-def cmake_flags(cuda: bool) -> list[str]:
-    flags = list(BASE_FLAGS)
+def cmake_flags(cuda: bool, cpu: str = "native") -> list[str]:
+    flags = list(BASE_FLAGS) + CPU_FLAGS[cpu]
     if cuda:
         flags += CUDA_FLAGS
     if shutil.which("ccache"):
@@ -80,13 +93,15 @@ def cmake_flags(cuda: bool) -> list[str]:
     return flags
 
 
-def build_key(cuda: bool) -> str:
+def build_key(cuda: bool, cpu: str = "native", stock: bool = False) -> str:
     h = hashlib.sha256()
     h.update(f"llama-cpp-python=={VERSION}\n".encode())
-    for p in patches():
+    for p in patches(stock):
         h.update(p.name.encode() + b"\n" + p.read_bytes())
+    if stock:
+        h.update(b"stock\n")
     # ccache is a launcher, not an input: leave it out of the key.
-    h.update(" ".join(f for f in cmake_flags(cuda) if "LAUNCHER" not in f).encode())
+    h.update(" ".join(f for f in cmake_flags(cuda, cpu) if "LAUNCHER" not in f).encode())
     h.update(cpu_signature().encode())
     h.update(compiler_signature().encode())
     h.update(f"py{sys.version_info.major}.{sys.version_info.minor}".encode())
@@ -108,9 +123,9 @@ def fetch_sdist() -> Path:
     return next(dest.glob(f"llama_cpp_python-{VERSION}.tar.gz"))
 
 
-def apply_patches(src: Path) -> None:
+def apply_patches(src: Path, stock: bool) -> None:
     vendor = src / "vendor" / "llama.cpp"
-    for p in patches():
+    for p in patches(stock):
         log(f"applying {p.name}")
         r = subprocess.run(["patch", "-p1", "--forward", "--batch", "-i", str(p)], cwd=vendor,
                            capture_output=True, text=True)
@@ -119,21 +134,22 @@ def apply_patches(src: Path) -> None:
                      f"llama-cpp-python {VERSION}:\n{r.stdout}{r.stderr}")
 
 
-def build(cuda: bool) -> Path:
-    key = build_key(cuda)
+def build(cuda: bool, cpu: str = "native", stock: bool = False) -> Path:
+    key = build_key(cuda, cpu, stock)
     out = CACHE / "wheels" / key
     wheels = list(out.glob("llama_cpp_python-*.whl")) if out.is_dir() else []
+    what = f"patches: {len(patches(stock))}, cpu: {cpu}"
     if wheels:
-        log(f"cached build {key} (patches: {len(patches())})")
+        log(f"cached build {key} ({what})")
         return wheels[0]
     sdist = fetch_sdist()
     with tempfile.TemporaryDirectory(prefix="edgekv-build-") as tmp:
         with tarfile.open(sdist) as tf:
             tf.extractall(tmp, filter="data")
         src = Path(tmp) / f"llama_cpp_python-{VERSION}"
-        apply_patches(src)
+        apply_patches(src, stock)
         env = dict(os.environ)
-        env["CMAKE_ARGS"] = " ".join(f"'{f}'" if " " in f else f for f in cmake_flags(cuda))
+        env["CMAKE_ARGS"] = " ".join(f"'{f}'" if " " in f else f for f in cmake_flags(cuda, cpu))
         env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
         env.setdefault("CCACHE_DIR", str(CACHE / "ccache"))
         # ccache keys on paths: the source and scikit-build's build tree both live
@@ -142,7 +158,7 @@ def build(cuda: bool) -> Path:
         env.setdefault("SKBUILD_BUILD_DIR", str(Path(tmp) / "build"))
         env.setdefault("CCACHE_NOHASHDIR", "1")
         tmp_out = Path(tmp) / "wheel"
-        log(f"building llama-cpp-python {VERSION} with {len(patches())} patch(es), key {key} "
+        log(f"building llama-cpp-python {VERSION} ({what}), key {key} "
             f"(about 9 minutes on 2 cores the first time)")
         r = subprocess.run(
             [sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(tmp_out), str(src)], env=env
@@ -161,15 +177,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cuda", action="store_true", default=os.environ.get("EDGEKV_CUDA") == "1",
                     help="build the CUDA backend too (or EDGEKV_CUDA=1)")
+    ap.add_argument("--cpu", choices=sorted(CPU_FLAGS), default=os.environ.get("EDGEKV_CPU", "native"),
+                    help="native: -march=native (default); avx2: an AVX2-only CPU's kernels (or EDGEKV_CPU=avx2)")
+    ap.add_argument("--stock", action="store_true", help="without ggml_patches/ (a baseline to compare against)")
     ap.add_argument("--install", action="store_true", help="pip install the wheel into this Python")
+    ap.add_argument("--target", type=Path, help="install the wheel into this directory instead")
     ap.add_argument("--print-key", action="store_true")
     a = ap.parse_args()
+    if a.cpu not in CPU_FLAGS:
+        sys.exit(f"[edgekv build] unknown --cpu/EDGEKV_CPU {a.cpu!r}; use {' or '.join(CPU_FLAGS)}")
     if a.print_key:
-        print(build_key(a.cuda))
+        print(build_key(a.cuda, a.cpu, a.stock))
         return
-    whl = build(a.cuda)
+    whl = build(a.cuda, a.cpu, a.stock)
     print(whl)
-    if a.install:
+    if a.target:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--upgrade",
+                        "--target", str(a.target), str(whl)], check=True)
+    elif a.install:
         pip = [sys.executable, "-m", "pip", "install", "-q"]
         # Same version as a stock install, so force the swap; then a second
         # pass brings in the bindings' own dependencies.

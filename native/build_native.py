@@ -1,11 +1,17 @@
-"""Build edgekv's cffi bindings to the native ops of the patched libllama.
+"""Build edgekv's cffi bindings: the native ops of the patched libllama, and
+the tensor capture (``native/capture.c``) that any libggml can run.
 
 API mode: the C compiler checks every declaration below against the real
 ``llama-edgekv.h`` that the patched llama-cpp-python installs into
 ``site-packages/include``, and links ``libllama`` from ``site-packages/llama_cpp/lib``
 (with an rpath to it, so the module and llama-cpp-python share one library).
 The module lands in ``edgekv/_edgekv_native*.so``. On a stock libllama (no
-header, no symbols) the build fails, and edgekv uses the portable state engine.
+header, no symbols) that build fails, and edgekv uses the portable state engine.
+
+``edgekv/_edgekv_capture*.so`` wraps ``native/capture.c``, an eval callback
+(``cb_eval``) that copies named graph tensors (``Qcur-<il>``, ``kqv_out-<il>``)
+to the host during ``llama_decode``. It uses only ggml's public API and links
+``libggml-base``, so it builds against stock and patched libllama alike.
 
 Run by ``scripts/setup.sh``; by hand: ``.venv/bin/python native/build_native.py``.
 """
@@ -47,35 +53,67 @@ def site_packages() -> Path:
     return Path(sysconfig.get_paths()["purelib"])
 
 
-def build() -> Path:
+CAPTURE_CDEF = """
+struct edgekv_capture_slot { float * data; size_t cap; int64_t ne[4]; int32_t n_seen; };
+struct edgekv_capture;
+struct edgekv_capture * edgekv_capture_new(int32_t n_layer);
+void    edgekv_capture_free(struct edgekv_capture * c);
+int32_t edgekv_capture_want(struct edgekv_capture * c, const char * name, int32_t layer, bool on);
+bool    edgekv_capture_eval(struct ggml_tensor * t, bool ask, void * user_data);
+const struct edgekv_capture_slot * edgekv_capture_get(const struct edgekv_capture * c, const char * name,
+                                                      int32_t layer);
+void    edgekv_capture_clear(struct edgekv_capture * c);
+int32_t edgekv_capture_status(const struct edgekv_capture * c);
+"""
+
+
+def _compile(module: str, cdef: str, source: str, libraries: list[str], sources: list[str] = ()) -> Path:
     site = site_packages()
     include = site / "include"
     libdir = site / "llama_cpp" / "lib"
-    if not (include / "llama-edgekv.h").is_file():
-        raise SystemExit(f"[edgekv native] {include}/llama-edgekv.h is missing: libllama lacks edgekv's patches")
     ffi = FFI()
-    ffi.cdef(CDEF)
+    ffi.cdef(cdef)
     ffi.set_source(
-        "edgekv._edgekv_native",
-        '#include "llama-edgekv.h"\n'
-        "#if LLAMA_EDGEKV_API_VERSION < 2\n#error edgekv needs patch set v2 or later\n#endif\n",
-        include_dirs=[str(include)],
+        f"edgekv.{module}",
+        source,
+        sources=[str(s) for s in sources],
+        include_dirs=[str(include), str(ROOT / "native")],
         library_dirs=[str(libdir)],
-        libraries=["llama"],
+        libraries=libraries,
         extra_link_args=[f"-Wl,-rpath,{libdir}"],
     )
-    out = ffi.compile(tmpdir=str(ROOT / "build" / "native"), verbose=False)
-    so = Path(out)
+    so = Path(ffi.compile(tmpdir=str(ROOT / "build" / "native"), verbose=False))
     dest = ROOT / "edgekv" / so.name
     dest.write_bytes(so.read_bytes())
     return dest
 
 
+def build_capture() -> Path:
+    if not (site_packages() / "include" / "ggml-backend.h").is_file():
+        raise SystemExit("[edgekv native] ggml's headers are not installed next to libllama")
+    return _compile("_edgekv_capture", "struct ggml_tensor;\n" + CAPTURE_CDEF, '#include "capture.h"\n',
+                    ["ggml-base"], [ROOT / "native" / "capture.c"])
+
+
+def build() -> Path:
+    include = site_packages() / "include"
+    if not (include / "llama-edgekv.h").is_file():
+        raise SystemExit(f"[edgekv native] {include}/llama-edgekv.h is missing: libllama lacks edgekv's patches")
+    return _compile(
+        "_edgekv_native", CDEF,
+        '#include "llama-edgekv.h"\n'
+        "#if LLAMA_EDGEKV_API_VERSION < 2\n#error edgekv needs patch set v2 or later\n#endif\n",
+        ["llama"],
+    )
+
+
 if __name__ == "__main__":
-    try:
-        print(f"[edgekv native] built {build().relative_to(ROOT)}")
-    except SystemExit:
-        raise
-    except Exception as e:  # a compiler or linker error: say so, the state engine still works
-        print(f"[edgekv native] not built ({e}); edgekv will use the portable state engine", file=sys.stderr)
-        sys.exit(1)
+    failed = False
+    for what, fn, fallback in (("tensor capture", build_capture, "attention-level capture is unavailable"),
+                               ("native ops", build, "edgekv will use the portable state engine")):
+        try:
+            print(f"[edgekv native] built {what}: {fn().relative_to(ROOT)}")
+        except (SystemExit, Exception) as e:  # a missing header, a compiler or linker error
+            print(f"[edgekv native] {what} not built ({e}); {fallback}", file=sys.stderr)
+            failed = True
+    sys.exit(1 if failed else 0)

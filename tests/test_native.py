@@ -9,6 +9,7 @@ import json
 
 import numpy as np
 import pytest
+from _attention import captured_attention, reference_attention
 from test_engine import _prefill
 
 from edgekv.errors import EdgekvError
@@ -114,16 +115,6 @@ def test_merge_with_log_count_bias_equals_attention_over_unmerged_runs(smollm2, 
     runs = {3: 8, 40: 16, 41: 2, 120: 16, 150: 4}
     blob, idx = _duplicated(ctx, eng, body, runs)
     probe = toks[200:203]
-
-    def logits_after(setup) -> np.ndarray:
-        setup()
-        out = []
-        for i, t in enumerate(probe):
-            ctx.decode([t], len(body) + i)
-            eng.note_decoded(1)
-            out.append(ctx.logits())
-        return np.stack(out)
-
     tp = np.broadcast_to(idx.astype(np.int32), (L, H, idx.size)).copy()
 
     def unmerged() -> None:
@@ -131,7 +122,40 @@ def test_merge_with_log_count_bias_equals_attention_over_unmerged_runs(smollm2, 
         eng.reset()
         eng.restore(CacheState(blob=blob, token_pos=tp, engine="native"))
 
-    ref = logits_after(unmerged)
+    # the truth: the unmerged cache's K/V, where each run really is k identical tokens
+    unmerged()
+    snap = eng.snapshot()
+    truth = [(snap.keys(il).copy(), snap.values(il).copy()) for il in range(L)]
+    truth_pos = snap.pos.copy()
+    scale = 1.0 / np.sqrt(smollm2.arch.head_dim_k)
+    ctx.capture.want("Qcur")
+    ctx.capture.want("kqv_out")
+
+    def decode_probe(setup) -> tuple[np.ndarray, np.ndarray]:
+        """Logits of each probe token, and per (probe, layer) the mean and max distance of
+        the attention llama.cpp computed from the attention over the unmerged runs (same
+        queries, the probe's own new cells included), and that attention's scale."""
+        setup()
+        logits, errs = [], []
+        for i, t in enumerate(probe):
+            ctx.capture.clear()
+            ctx.decode([t], len(body) + i)
+            eng.note_decoded(1)
+            logits.append(ctx.logits())
+            now = eng.snapshot()
+            pos = np.concatenate([truth_pos, now.pos[-(i + 1):]])
+            row = []
+            for il in range(L):
+                q, out = captured_attention(ctx, il)
+                k = np.concatenate([truth[il][0], now.keys(il)[-(i + 1):]])
+                v = np.concatenate([truth[il][1], now.values(il)[-(i + 1):]])
+                ref = reference_attention(q, k, v, None, np.array([len(body) + i]), pos, scale)
+                d = np.abs(out - ref)
+                row.append((d.mean(), d.max(), np.abs(ref).max()))
+            errs.append(row)
+        return np.stack(logits), np.array(errs)
+
+    _, err_ref = decode_probe(unmerged)
 
     # merge each run into its first cell, then compact the rest away
     starts = {c: int(np.flatnonzero(idx == c)[0]) for c in runs}
@@ -152,23 +176,27 @@ def test_merge_with_log_count_bias_equals_attention_over_unmerged_runs(smollm2, 
         counts = np.array([runs.get(int(c), 1) for c in idx[survivors]])
         np.testing.assert_allclose(b, np.broadcast_to(np.log(counts), b.shape), atol=1e-6)
 
-    got = logits_after(merged)
+    got, err_got = decode_probe(merged)
     assert eng.n_cells == survivors.size + len(probe)
 
-    # without the bias the merged cache is measurably different
+    # without the bias the merged cache attends measurably differently
     def merged_unbiased() -> None:
         merged()
         eng.bias_set(np.zeros((L, H, eng.n_cells), np.float32))
 
-    plain = logits_after(merged_unbiased)
-    # Logits of a 30-layer model carry the f16 rounding of attention (the KQ
-    # probabilities and, with flash attention, the V accumulator are f16), so a
-    # merged cache cannot match bit for bit. It must match far more closely than
-    # the same merge without the bias, and pick the same tokens.
-    err, err_plain = np.abs(got - ref), np.abs(plain - ref)
-    assert err.mean() < 0.35 * err_plain.mean()
-    assert err.max() < 0.35 * err_plain.max()
-    assert np.array_equal(got.argmax(axis=1), ref.argmax(axis=1))
+    _, err_plain = decode_probe(merged_unbiased)
+    # Checked at every layer's attention, not at the logits: two computations that
+    # differ only in rounding (f16 probabilities, flash attention's f16 V accumulator)
+    # move the logits of this 30-layer quantised model by 0.1-0.7 through its q8
+    # activation rounding, CPU-dependently, which drowned the bias's effect there.
+    # The attention over merged cells with the bias must match the attention over the
+    # unmerged runs to within f16 rounding (as the unmerged cache's own kernel does),
+    # and far better than the same merge without the bias.
+    # measured here: merged/unbiased 0.004 (fa off) and 0.014 (fa on); merged/unmerged
+    # kernel 1.04 and 0.71 (the f16 V accumulator rounds 16 identical rows more than one)
+    assert np.all(err_got[..., 1] < 0.06 * err_got[..., 2])
+    assert err_got[..., 0].mean() < 0.1 * err_plain[..., 0].mean()
+    assert err_got[..., 0].mean() < 2.0 * err_ref[..., 0].mean()
 
     # At the attention level the match is exact up to float32 rounding: the
     # device-side attention weights of the merged cell equal the sum over its run.
@@ -194,7 +222,7 @@ def test_merge_with_log_count_bias_equals_attention_over_unmerged_runs(smollm2, 
         eng.reset()
         eng.restore(saved)
 
-    np.testing.assert_array_equal(logits_after(restored), got)
+    np.testing.assert_array_equal(decode_probe(restored)[0], got)
     ctx.close()
 
 

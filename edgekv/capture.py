@@ -1,0 +1,85 @@
+"""Tensors of llama.cpp's compute graph, copied to the host while it decodes.
+
+llama.cpp hands every graph node to an eval callback (``cb_eval``) that must
+be set when the context is created. ``native/capture.c`` is that callback: it
+keeps the last evaluation of each ``<name>-<layer>`` a caller asked for
+(``Qcur-3`` is layer 3's post-RoPE queries, ``kqv_out-3`` its attention
+output before the output projection) and answers "not needed" for every other
+node, so an idle capture leaves the graph in one piece. Built by
+``native/build_native.py`` against ggml's public headers: it works with stock
+and patched libllama alike.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+
+import numpy as np
+
+from .errors import EdgekvError
+
+
+@cache
+def _module():
+    try:
+        from . import _edgekv_capture as m  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return m
+
+
+def available() -> bool:
+    return _module() is not None
+
+
+class Capture:
+    """Host copies of named graph tensors, per layer, refreshed by every decode.
+
+    ``want("Qcur", layers)`` asks for tensors; ``get("Qcur", il)`` returns the
+    last one a decode evaluated, shaped as ggml's ``ne`` reversed (numpy order),
+    or None when the last decode did not evaluate it. The C callback writes
+    while ``llama_decode`` runs on the caller's thread, so reads between
+    decodes are safe; a capture belongs to one context.
+    """
+
+    def __init__(self, n_layer: int) -> None:
+        m = _module()
+        if m is None:
+            raise EdgekvError("the tensor capture is not built (run native/build_native.py)")
+        self._ffi, self._lib = m.ffi, m.lib
+        ptr = self._lib.edgekv_capture_new(n_layer)
+        if ptr == self._ffi.NULL:
+            raise EdgekvError(f"cannot create a tensor capture for {n_layer} layers")
+        self._c = self._ffi.gc(ptr, self._lib.edgekv_capture_free)
+        self.n_layer = n_layer
+
+    # what llama_context_params takes
+    def callback_address(self) -> int:
+        return int(self._ffi.cast("uintptr_t", self._ffi.addressof(self._lib, "edgekv_capture_eval")))
+
+    def user_data(self) -> ctypes.c_void_p:
+        return ctypes.c_void_p(int(self._ffi.cast("uintptr_t", self._c)))
+
+    def want(self, name: str, layers: range | list[int] | None = None, on: bool = True) -> None:
+        for il in range(self.n_layer) if layers is None else layers:
+            if self._lib.edgekv_capture_want(self._c, name.encode(), il, on) != 0:
+                raise EdgekvError(f"cannot capture {name!r} of layer {il} (at most 4 names, "
+                                  f"layers 0..{self.n_layer - 1})")
+
+    def clear(self) -> None:
+        """Forget what earlier decodes captured (the buffers stay allocated)."""
+        self._lib.edgekv_capture_clear(self._c)
+
+    def get(self, name: str, layer: int) -> np.ndarray | None:
+        status = self._lib.edgekv_capture_status(self._c)
+        if status != 0:
+            raise EdgekvError(f"tensor capture failed (status {status}: a wanted tensor is not float32 "
+                              "with contiguous rows, or memory ran out)")
+        s = self._lib.edgekv_capture_get(self._c, name.encode(), layer)
+        if s == self._ffi.NULL or s.n_seen == 0:
+            return None
+        ne = [int(s.ne[i]) for i in range(4)]
+        n = ne[0] * ne[1] * ne[2] * ne[3]
+        buf = self._ffi.buffer(s.data, n * 4)
+        return np.frombuffer(buf, dtype=np.float32).copy().reshape(ne[::-1])

@@ -1,0 +1,44 @@
+"""The float64 attention that llama.cpp's kernels are checked against (test helper)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def reference_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.ndarray | None,
+                        q_pos: np.ndarray, k_pos: np.ndarray, scale: float) -> np.ndarray:
+    """float64 attention per query head: q [n_q, n_head, d], k/v [n, H, d], bias [H, n] or None.
+
+    Query head h reads KV head h // (n_head / H) (GQA); a query sees the cells
+    at or before its position. Returns [n_q, n_head, d_v]."""
+    n_q, n_head, _ = q.shape
+    H = k.shape[1]
+    group = n_head // H
+    out = np.zeros((n_q, n_head, v.shape[2]))
+    visible = k_pos[None, :] <= q_pos[:, None]
+    for qh in range(n_head):
+        h = qh // group
+        logits = scale * (q[:, qh].astype(np.float64) @ k[:, h].astype(np.float64).T)
+        if bias is not None:
+            logits = logits + bias[h][None, :]
+        logits[~visible] = -np.inf
+        p = np.exp(logits - logits.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        out[:, qh] = p @ v[:, h].astype(np.float64)
+    return out
+
+
+def captured_attention(ctx, layer: int) -> tuple[np.ndarray, np.ndarray]:
+    """(q [n_q, n_head, d_k], attention output [n_q, n_head, d_v]) of the last decode,
+    from the context's capture (``Qcur`` and ``kqv_out`` wanted), V rotation undone."""
+    from edgekv.llama import hadamard
+
+    arch = ctx.model.arch
+    q = ctx.capture.get("Qcur", layer)
+    out = ctx.capture.get("kqv_out", layer)
+    assert q is not None and out is not None, f"layer {layer} not captured"
+    assert q.shape[0] == 1 and out.shape[:2] == (1, 1)  # ggml's ne reversed: [1, n_q, n_head, d]
+    q, out = q[0], out[0, 0]
+    if ctx.v_rot:  # llama.cpp attends in the Hadamard-rotated V space and rotates back after kqv_out
+        out = (out.reshape(-1, ctx.v_rot) @ hadamard(ctx.v_rot)).reshape(out.shape)
+    return q, out.reshape(q.shape[0], arch.n_head, arch.head_dim_v)
