@@ -45,7 +45,8 @@ def drive(model: str, tokens_file: str, length: int, fa: str, threads: int) -> d
 
     import llama_cpp.llama_cpp as L
 
-    L.llama_log_set(L.llama_log_callback(lambda *a: None), ctypes.c_void_p(0))
+    quiet = L.llama_log_callback(lambda *a: None)  # referenced until exit: C calls it
+    L.llama_log_set(quiet, ctypes.c_void_p(0))
     L.llama_backend_init()
     toks = json.loads(Path(tokens_file).read_text())
     assert len(toks) >= length + DECODE_TOKENS

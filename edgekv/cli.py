@@ -342,16 +342,19 @@ def methods() -> None:
 
 @app.command()
 def info(model: ModelArg = None) -> None:
-    """Architecture, KV geometry, KV bytes per token per cache type, trained context, engine."""
+    """Architecture, KV geometry, KV bytes per token per cache type, trained context, engine,
+    and the CPU features llama.cpp's kernels use (worth quoting in a bug report)."""
     try:
         from .gguf_info import format_info, read_model_info
         from .models import resolve_model
 
         path = resolve_model(model)
         typer.echo(format_info(read_model_info(path)))
+        from .llama import cpu_features
         from .session import engine_summary
 
         typer.echo(engine_summary())
+        typer.echo(f"cpu features (llama.cpp's kernels): {' '.join(cpu_features()) or 'none reported'}")
     except EdgekvError as e:
         _fail(e)
 

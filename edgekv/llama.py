@@ -76,6 +76,13 @@ def system_info() -> str:
     return lib().llama_print_system_info().decode()
 
 
+def cpu_features() -> list[str]:
+    """The CPU features the loaded ggml CPU backend was built for and uses (``AVX2``,
+    ``F16C``, ``AVX512``, ``LLAMAFILE``, ...), from ``llama_print_system_info()``.
+    ggml picks most CPU kernels at compile time, so this says which kernels run."""
+    return re.findall(r"([A-Z0-9_]+) = 1", system_info())
+
+
 def cpu_has_amx() -> bool:
     """True when the CPU advertises AMX-INT8 (Sapphire Rapids and later)."""
     try:

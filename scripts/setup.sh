@@ -35,5 +35,6 @@ if ! .venv/bin/edgekv bench text >/dev/null 2>&1; then
 fi
 if [ "${EDGEKV_SKIP_MODEL:-0}" != "1" ]; then
   .venv/bin/edgekv models pull smollm2-135m
+  .venv/bin/edgekv models pull gemma3-270m   # the iSWA model the tests run the state engine on
 fi
 echo "[setup] done: run the tests with  .venv/bin/python -m pytest"

@@ -25,3 +25,9 @@ from edgekv.models import DEFAULT_MODEL, pull
 def smollm2_fixture() -> Path:
     """Path of the verified SmolLM2-135M Q4_1 GGUF (downloads ~93 MB on first use)."""
     return pull(DEFAULT_MODEL, progress=False)
+
+
+@pytest.fixture(scope="session", name="gemma3_path")
+def gemma3_fixture() -> Path:
+    """Path of the verified Gemma 3 270M Q4_K_M GGUF (an iSWA model; ~241 MB on first use)."""
+    return pull("gemma3-270m", progress=False)

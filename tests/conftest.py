@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from _model_fixture import smollm2_fixture  # noqa: F401  (registers the smollm2_path fixture)
+from _model_fixture import gemma3_fixture, smollm2_fixture  # noqa: F401  (registers the *_path fixtures)
 
 
 @pytest.fixture(scope="session")
@@ -12,5 +12,15 @@ def smollm2(smollm2_path):
     from edgekv.llama import Model
 
     m = Model(smollm2_path)
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="session")
+def gemma3(gemma3_path):
+    """Gemma 3 270M loaded once: 18 layers, 15 of them sliding-window (an iSWA cache)."""
+    from edgekv.llama import Model
+
+    m = Model(gemma3_path)
     yield m
     m.close()

@@ -27,7 +27,7 @@ from _attention import captured_attention, reference_attention
 from test_engine import _prefill
 
 from edgekv.capture import available as capture_available
-from edgekv.kvcache.native import NativeEngine, load
+from edgekv.kvcache.native import NativeEngine
 from edgekv.llama import Context
 
 TEXT = ("The lighthouse keeper wrote down every ship that passed, its flag, its cargo and the hour. "
@@ -50,10 +50,6 @@ LAYERS = (0, 13, 29)
 def test_capture_module_is_built() -> None:
     # setup.sh builds it against any libggml; without it the attention checks below cannot run
     assert capture_available()
-
-
-pytestmark = pytest.mark.skipif(load() is None or not capture_available(),
-                                reason="edgekv native bindings or tensor capture not built")
 
 
 @pytest.mark.parametrize(("path", "ck", "cv", "fa", "n0", "n_q"), CASES, ids=IDS)

@@ -311,6 +311,29 @@ def test_info_default_model(smollm2_path):
     assert "engine:" in out
 
 
+# ggml's feature names -> /proc/cpuinfo flags
+CPU_FLAGS = {"SSE3": "pni", "SSSE3": "ssse3", "AVX": "avx", "AVX2": "avx2", "F16C": "f16c", "FMA": "fma",
+             "BMI2": "bmi2", "AVX_VNNI": "avx_vnni", "AVX512": "avx512f", "AVX512_VBMI": "avx512vbmi",
+             "AVX512_VNNI": "avx512_vnni", "AVX512_BF16": "avx512_bf16", "AMX_INT8": "amx_int8"}
+
+
+def test_info_prints_the_cpu_features_llama_cpp_uses(smollm2_path):
+    r = run_cli("info")
+    assert r.returncode == 0, r.stderr
+    m = re.search(r"^cpu features \(llama.cpp's kernels\): (.+)$", r.stdout, re.M)
+    assert m, r.stdout
+    listed = m.group(1).split()
+    from edgekv.llama import system_info
+
+    # the same set llama.cpp reports, and only instruction sets this CPU has
+    assert listed == re.findall(r"([A-Z0-9_]+) = 1", system_info())
+    flags = set(next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")).split())
+    assert "AVX2" in listed or "avx2" not in flags or "AVX512" in listed
+    for feat in listed:
+        if feat in CPU_FLAGS:
+            assert CPU_FLAGS[feat] in flags, f"llama.cpp reports {feat}, the CPU lacks {CPU_FLAGS[feat]}"
+
+
 def test_models_list_shows_default_pulled(smollm2_path):
     r = run_cli("models", "list")
     assert r.returncode == 0, r.stderr

@@ -32,9 +32,6 @@ def test_native_bindings_are_built_for_a_patched_libllama() -> None:
     assert load() is not None
 
 
-pytestmark = pytest.mark.skipif(load() is None, reason="edgekv native bindings not built")
-
-
 def _ctx(model, ck: str, cv: str, fa: str, n_ctx: int = 512) -> Context:
     return Context(model, n_ctx=n_ctx, cache_type_k=ck, cache_type_v=cv, flash_attn=fa, n_threads=2)
 
