@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench._common import RESULTS, machine, write_json  # noqa: E402
+from edgekv.bench.results import RESULTS, machine, write_json
 
 
 def timeit(fn, repeat: int) -> float:

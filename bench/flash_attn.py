@@ -14,13 +14,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench._common import RESULTS, machine, write_json  # noqa: E402
+from edgekv.bench.results import RESULTS, machine, write_json
 
 
 def _length(s: str) -> int:

@@ -21,14 +21,11 @@ from __future__ import annotations
 import argparse
 import random
 import re
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench._common import RESULTS, machine, write_json  # noqa: E402
 from bench.passkey import QUESTION, make_sample  # noqa: E402
+from edgekv.bench.results import RESULTS, machine, write_json
 
 BASELINES = ("streaming_llm", "knorm")
 
@@ -65,7 +62,7 @@ def run_model(model_arg: str, a: argparse.Namespace, rows: list[dict], save) -> 
                 trials += [(m, cells, info)] + [(get_method(b), cells, info) for b in BASELINES]
         for method, cells, info in trials:
             sess.restore(saved)
-            sess.method = method
+            sess.use(method, ratio=info["ratio"] or None)
             t1 = time.perf_counter()
             sess.compress(cells)
             comp_s = time.perf_counter() - t1

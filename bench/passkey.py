@@ -15,13 +15,10 @@ from __future__ import annotations
 import argparse
 import random
 import re
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench._common import RESULTS, machine, write_json  # noqa: E402
+from edgekv.bench.results import RESULTS, machine, write_json
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -54,7 +51,6 @@ def main() -> None:
 
     from rich.progress import Progress
 
-    from edgekv.methods import get_method
     from edgekv.models import resolve_model
     from edgekv.session import Session
 
@@ -79,7 +75,7 @@ def main() -> None:
             for m in methods:
                 for frac in ([1.0] if m == "full" else kept):
                     sess.restore(saved)
-                    sess.method = get_method(m)
+                    sess.use(m, scheduled=False)
                     t1 = time.perf_counter()
                     if m != "full":
                         sess.compress(max(1, int(round(frac * n_prompt))))

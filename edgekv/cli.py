@@ -157,7 +157,7 @@ def _progress_bar(label: str):
 
 def _stats_dict(s) -> dict[str, object]:
     return {
-        "n_ctx": s.n_ctx, "cells": s.cells, "peak_cells": s.peak_cells,
+        "capacity": s.capacity, "cells": s.cells, "peak_cells": s.peak_cells,
         "compressions": s.compressions, "tokens_seen": s.tokens_seen,
         "tokens_evicted": s.tokens_evicted, "kv_bytes": s.kv_bytes,
         "kv_bytes_per_cell": s.kv_bytes_per_cell, "compress_seconds": s.compress_seconds,
@@ -185,7 +185,7 @@ def _write_json(path: Path, data: object, opt: str) -> None:
 
 
 def _stats_line(s) -> str:
-    return (f"[cells {s.cells}/{s.n_ctx} | seen {s.tokens_seen} | kept {100 * s.kept_fraction:.0f}% | "
+    return (f"[cells {s.cells}/{s.capacity} | seen {s.tokens_seen} | kept {100 * s.kept_fraction:.0f}% | "
             f"compressions {s.compressions} | KV {s.kv_bytes / 2**20:.1f} MiB]")
 
 
@@ -215,7 +215,8 @@ def chat(
     Each turn prints the reply on stdout and, with --stats, one counter line on stderr.
     Without --budget, --ratio and --n-ctx, a compressing method keeps 1024 cells.
     """
-    from .session import Chat, SamplerConfig
+    from .llama import SamplerConfig
+    from .session import Chat
 
     turns: list[dict[str, object]] = []
     try:
@@ -289,7 +290,7 @@ def generate(
     stats_json: Annotated[Path | None, typer.Option(help="Write the cache counters as JSON here.")] = None,
 ) -> None:
     """One-shot: ingest a (long) prompt in chunks under the memory bound, then generate."""
-    from .session import SamplerConfig
+    from .llama import SamplerConfig
 
     try:
         if (prompt is None) == (prompt_file is None):
@@ -350,8 +351,8 @@ def info(model: ModelArg = None) -> None:
 
         path = resolve_model(model)
         typer.echo(format_info(read_model_info(path)))
+        from .kvcache import engine_summary
         from .llama import cpu_features
-        from .session import engine_summary
 
         typer.echo(engine_summary())
         typer.echo(f"cpu features (llama.cpp's kernels): {' '.join(cpu_features()) or 'none reported'}")

@@ -2,7 +2,7 @@
 
 edgekv drives llama.cpp's low-level API itself: the high-level ``llama_cpp.Llama``
 assumes the KV cache holds exactly the tokens it has seen, which stops being
-true after the first compression (shared/DESIGN.md section 5).
+true after the first compression (docs/design.md section 2).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import numpy as np
 from .capture import Capture
 from .capture import available as capture_available
 from .errors import EdgekvError, ModelError
+from .ggml_types import type_by_name
 
 # Populated lazily: importing llama_cpp loads libllama, which is slow-ish and
 # must not happen for `edgekv --help`.
@@ -102,7 +103,7 @@ def use_extra_bufts(cpu_amx: bool | None = None, lib_amx: bool | None = None) ->
 
     With AMX compiled in and an AMX CPU, ggml routes quantised matmuls through
     the AMX buffer type, which segfaults on batches of ~21+ tokens with
-    SmolLM2 Q4_1 (shared/DESIGN.md section 5). Extra buffer types only buy
+    SmolLM2 Q4_1 (docs/design.md section 5). Extra buffer types only buy
     weight repacking speed, so they are turned off exactly in that case.
     Our own build compiles AMX out, so it keeps them.
     """
@@ -114,8 +115,6 @@ def use_extra_bufts(cpu_amx: bool | None = None, lib_amx: bool | None = None) ->
 
 
 def cache_type_id(name: str) -> int:
-    from .kvcache.quant import type_by_name
-
     return type_by_name(name).id
 
 
@@ -214,9 +213,6 @@ class Model:
             n = L.llama_token_to_piece(self.vocab, token, buf, -n, 0, special)
         return buf.raw[:n]
 
-    def detokenize(self, tokens: list[int]) -> str:
-        return b"".join(self.piece(t) for t in tokens).decode("utf-8", "replace")
-
     def is_eog(self, token: int) -> bool:
         return bool(lib().llama_vocab_is_eog(self.vocab, token))
 
@@ -281,14 +277,6 @@ def _rotation_from_log(log: str, arch: Arch) -> tuple[int, int]:
             k_rot *= 2
     v_rot = 64 if mv.group(1) == "1" else 0
     return k_rot, v_rot
-
-
-def hadamard(n: int) -> np.ndarray:
-    """The orthonormal Walsh-Hadamard matrix exactly as llama.cpp builds it (float32, H @ H = I)."""
-    h = np.array([[1.0 / np.sqrt(np.float32(n))]], dtype=np.float32)
-    while h.shape[0] < n:
-        h = np.block([[h, h], [h, -h]])
-    return h
 
 
 UNQUANTISED_V = ("f16", "f32", "bf16")  # the V cache types llama.cpp can use without flash attention
@@ -382,8 +370,9 @@ class Context:
         self.k_rot, self.v_rot = _rotation_from_log(created_log, model.arch)
 
     # -- decoding -------------------------------------------------------------
-    def decode(self, tokens: list[int], start_pos: int, *, logits_last: bool = True, seq: int = 0) -> None:
-        """Decode ``tokens`` at positions start_pos.. (<= n_batch tokens)."""
+    def decode(self, tokens: list[int], start_pos: int, *, all_logits: bool = False, seq: int = 0) -> None:
+        """Decode ``tokens`` at positions start_pos.. (<= n_batch tokens); logits for the
+        last token, or for every token with ``all_logits`` (``logits(i)``)."""
         self._live()
         L = lib()
         n = len(tokens)
@@ -396,9 +385,7 @@ class Context:
             b.pos[i] = start_pos + i
             b.n_seq_id[i] = 1
             b.seq_id[i][0] = seq
-            b.logits[i] = 0
-        if logits_last:
-            b.logits[n - 1] = 1
+            b.logits[i] = all_logits or i == n - 1
         rc = L.llama_decode(self.ptr, b)
         if rc != 0:
             raise EdgekvError(
@@ -418,10 +405,6 @@ class Context:
     def pos_max(self, seq: int = 0) -> int:
         self._live()
         return lib().llama_memory_seq_pos_max(self.mem, seq)
-
-    def pos_min(self, seq: int = 0) -> int:
-        self._live()
-        return lib().llama_memory_seq_pos_min(self.mem, seq)
 
     def clear(self) -> None:
         self._live()
@@ -471,6 +454,49 @@ class Context:
             self._batch = None
         if getattr(self, "ptr", None):
             L.llama_free(self.ptr)
+            self.ptr = None
+
+    def __del__(self) -> None:  # pragma: no cover
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    seed: int = 0
+
+
+class Sampler:
+    """llama.cpp's sampler chain for one configuration: greedy at temperature 0,
+    else top-k, top-p, min-p, temperature and a seeded draw."""
+
+    def __init__(self, cfg: SamplerConfig) -> None:
+        L = lib()
+        self.cfg = cfg
+        self.ptr = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+        if cfg.temperature <= 0:
+            L.llama_sampler_chain_add(self.ptr, L.llama_sampler_init_greedy())
+        else:
+            L.llama_sampler_chain_add(self.ptr, L.llama_sampler_init_top_k(cfg.top_k))
+            L.llama_sampler_chain_add(self.ptr, L.llama_sampler_init_top_p(cfg.top_p, 1))
+            L.llama_sampler_chain_add(self.ptr, L.llama_sampler_init_min_p(cfg.min_p, 1))
+            L.llama_sampler_chain_add(self.ptr, L.llama_sampler_init_temp(cfg.temperature))
+            L.llama_sampler_chain_add(self.ptr, L.llama_sampler_init_dist(cfg.seed))
+
+    def sample(self, ctx: Context) -> int:
+        """The next token from the context's last logits."""
+        ctx._live()
+        return int(lib().llama_sampler_sample(self.ptr, ctx.ptr, -1))
+
+    def close(self) -> None:
+        if getattr(self, "ptr", None):
+            lib().llama_sampler_free(self.ptr)
             self.ptr = None
 
     def __del__(self) -> None:  # pragma: no cover

@@ -2,7 +2,7 @@
 """Build llama-cpp-python 0.3.36 from its PyPI sdist with ggml_patches/ applied.
 
 The result is a wheel cached outside the clone under
-``$EDGEKV_CACHE/wheels/<key>/`` (default ``~/.cache/edgekv``), keyed by
+``$EDGEKV_HOME/wheels/<key>/`` (default ``~/.cache/edgekv``), keyed by
 everything that changes the binary: the llama-cpp-python version, the hash of
 every patch, the CMake flags, the compiler and the CPU features (ggml builds
 with -march=native). CI and fresh clones on the same machine reuse it; a
@@ -39,10 +39,10 @@ from pathlib import Path
 VERSION = "0.3.36"
 ROOT = Path(__file__).resolve().parent.parent
 PATCH_DIR = ROOT / "ggml_patches"
-CACHE = Path(os.environ.get("EDGEKV_CACHE", Path.home() / ".cache" / "edgekv"))
+CACHE = Path(os.environ.get("EDGEKV_HOME", Path.home() / ".cache" / "edgekv")).expanduser()  # as edgekv.models
 
 # AMX is compiled out: the AMX buffer type segfaults on batches of ~21+ tokens
-# on this CPU family (shared/DESIGN.md section 5); the other extra buffer types
+# on this CPU family (docs/design.md section 5); the other extra buffer types
 # (weight repacking) stay. Tools, tests, examples and llava are not needed.
 AMX_OFF = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 BASE_FLAGS = [

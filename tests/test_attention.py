@@ -70,8 +70,7 @@ def test_attention_with_bias_equals_float64_reference(smollm2, path, ck, cv, fa,
     cap.want("Qcur", LAYERS)
     cap.want("kqv_out", LAYERS)
     cap.clear()
-    ctx.decode(toks[n0 : n0 + n_q], n0)
-    eng.note_decoded(n_q)
+    eng.decode(toks[n0 : n0 + n_q], n0)
 
     snap = eng.snapshot()  # K/V of every cell, the new queries' own included, unrotated
     full_bias = eng.bias_get()

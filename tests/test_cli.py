@@ -204,7 +204,7 @@ def test_generate_long_prompt_bounded(smollm2_path, long_prompt, tmp_path, metho
     assert "Traceback" not in r.stderr
     assert r.stdout.strip(), "no text generated"
     s = json.loads(stats.read_text())
-    assert s["n_ctx"] == N_CTX
+    assert s["capacity"] == N_CTX
     assert s["tokens_seen"] >= 4 * N_CTX, s["tokens_seen"]
     assert s["peak_cells"] <= N_CTX
     assert 1 <= s["cells"] <= N_CTX

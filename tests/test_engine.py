@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 
 from edgekv.errors import EdgekvError, StateLayoutError
-from edgekv.kvcache import layout
-from edgekv.kvcache.engine import CacheState, StateEngine
+from edgekv.kvcache import CacheState, StateEngine, layout
 from edgekv.llama import Context
 
 # (K type, V type, flash attention). A quantised V cache needs flash
@@ -25,17 +24,13 @@ def _ctx(model, ck: str, cv: str, fa: str, n_ctx: int = 512) -> tuple[Context, S
 
 
 def _prefill(ctx: Context, eng: StateEngine, toks: list[int]) -> None:
-    ctx.clear()
     eng.reset()
     for i in range(0, len(toks), 128):
-        part = toks[i : i + 128]
-        ctx.decode(part, i)
-        eng.note_decoded(len(part))
+        eng.decode(toks[i : i + 128], i)
 
 
 def _next_logits(ctx: Context, eng: StateEngine, tok: int) -> np.ndarray:
-    ctx.decode([tok], ctx.pos_max() + 1)
-    eng.note_decoded(1)
+    eng.decode([tok], ctx.pos_max() + 1)
     return ctx.logits()
 
 

@@ -13,14 +13,14 @@ from _attention import captured_attention
 from test_engine import _prefill
 
 from edgekv.bench.speed import long_text_tokens
-from edgekv.kvcache.engine import StateEngine
+from edgekv.kvcache import StateEngine
 from edgekv.llama import Context
 
 
-def _attention_after(ctx: Context, toks: list[int], start: int, layer: int) -> np.ndarray:
-    ctx.capture.clear()
-    ctx.decode(toks, start)
-    q, out = captured_attention(ctx, layer)
+def _attention_after(eng: StateEngine, toks: list[int], start: int, layer: int) -> np.ndarray:
+    eng.ctx.capture.clear()
+    eng.decode(toks, start)
+    q, out = captured_attention(eng.ctx, layer)
     return out
 
 
@@ -40,9 +40,8 @@ def test_iswa_compaction_equals_llama_cpp_eviction(gemma3) -> None:
     # the sliding-window layers (which llama.cpp's seq_rm edits too) attend alike
     drop = np.arange(4, 154)
     assert ctx.seq_rm(0, int(drop[0]), int(drop[-1]) + 1)
-    want = _attention_after(ctx, probe, n, 5)
+    want = _attention_after(eng, probe, n, 5)
 
-    ctx.clear()
     eng.reset()
     eng.restore(saved)
     kept = np.setdiff1d(np.arange(n), drop)
@@ -50,15 +49,14 @@ def test_iswa_compaction_equals_llama_cpp_eviction(gemma3) -> None:
     assert snap.n_layer == 3  # the global layers 5, 11, 17
     eng.compact(np.broadcast_to(kept, (snap.n_layer, arch.n_head_kv, kept.size)).copy())
     assert eng.n_cells == kept.size
-    got = _attention_after(ctx, probe, n, 5)
+    got = _attention_after(eng, probe, n, 5)
     # layer 5 is the first global layer: everything before it is identical, so its
     # attention over the compacted cells equals llama.cpp's own up to summation order
     assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
     # and it is not trivially so: with the dropped tokens still present it differs
-    ctx.clear()
     eng.reset()
     eng.restore(saved)
-    full = _attention_after(ctx, probe, n, 5)
+    full = _attention_after(eng, probe, n, 5)
     assert np.abs(full - want).max() > 100 * np.abs(got - want).max()
     ctx.close()
 

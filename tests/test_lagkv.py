@@ -1,4 +1,4 @@
-"""LagKV: the spec's reference vector, a loop-based implementation of Eqs. 5-9,
+"""LagKV: the reference vector (docs/methods.md, lagkv), a loop-based implementation of Eqs. 5-9,
 incremental == one-shot, the budget fallback, NaN safety, and end-to-end runs
 on the real default model (bounded prompts 8x n_ctx, 2000 generated tokens,
 q8_0 + flash attention, the CLI)."""
@@ -57,7 +57,7 @@ class Sim:
     def n(self) -> int:
         return self.tp.shape[2]
 
-    def compress(self, target=None) -> None:
+    def compress(self, target=None, scheduled: bool = False) -> None:
         n = self.n
         if target is None:
             target = (self.budget if self.budget is not None
@@ -65,7 +65,7 @@ class Sim:
         if target >= n:
             return
         self.calls += 1
-        keep = self.m.select(snap_of(self.K, self.V, self.tp), target)
+        keep = self.m.select(snap_of(self.K, self.V, self.tp), target, scheduled=scheduled)
         self.since = 0
         if keep.shape[2] < n:
             check_keep(keep, *self.tp.shape)
@@ -83,7 +83,7 @@ class Sim:
         self.since += c
         self.peak = max(self.peak, self.n)
         if self.m.due(self.since, self.n):
-            self.compress()
+            self.compress(scheduled=True)
 
 
 # -- a direct, loop-based implementation of the equations ----------------------
@@ -118,7 +118,7 @@ def loop_keep(K, V, S: int, L: int, k: int) -> list[int]:
     return kept + list(range(S + (n_full - 1) * L, T))
 
 
-# -- the spec's reference vector (shared/methods/lagkv.md section 2.11) ----------
+# -- the reference vector (docs/methods.md, lagkv) ---------------------------------
 
 
 def spec_vector():
@@ -153,7 +153,7 @@ def test_spec_reference_vector() -> None:
     assert keep.shape[2] == retained_cells(15, 2, 4, 2) == 11
     m.bind(None, 0.5)  # --ratio 0.5 is r = 0.5; LagKV's own schedule asks for it
     assert m.due(15, 15)
-    assert np.array_equal(m.select(snap, 7), keep)  # its own step ignores the session's target
+    assert np.array_equal(m.select(snap, 7, scheduled=True), keep)  # its own step ignores the session's target
 
 
 @pytest.mark.parametrize("seed", range(3))

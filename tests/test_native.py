@@ -13,11 +13,10 @@ from _attention import captured_attention, reference_attention
 from test_engine import _prefill
 
 from edgekv.errors import EdgekvError
-from edgekv.kvcache import layout
-from edgekv.kvcache.engine import CacheState, StateEngine
+from edgekv.kvcache import CacheState, StateEngine, layout, native_available
 from edgekv.kvcache.native import NativeEngine, load
 from edgekv.llama import Context
-from edgekv.session import Session, native_available
+from edgekv.session import Session
 
 CONFIGS = [("f16", "f16", "off"), ("f16", "f16", "on"), ("q8_0", "q8_0", "on"), ("q8_0", "f16", "off")]
 IDS = [f"{k}-{v}-fa_{fa}" for k, v, fa in CONFIGS]
@@ -62,8 +61,7 @@ def test_native_and_state_compaction_leave_identical_caches(smollm2, toks, ck, c
                 keep = _keep(np.random.default_rng(11 + r), L, H, eng.n_cells, eng.n_cells // 2)
                 eng.compact(keep)
             blobs.append(ctx.state_get())
-            ctx.decode([toks[5]], ctx.pos_max() + 1)
-            eng.note_decoded(1)
+            eng.decode([toks[5]], ctx.pos_max() + 1)
             logits.append(ctx.logits())
         assert blobs[0] == blobs[1]
         assert np.array_equal(logits[0], logits[1])
@@ -75,10 +73,9 @@ def test_native_read_matches_state_snapshot(smollm2, toks, ck, cv, fa) -> None:
     ctx = _ctx(smollm2, ck, cv, fa)
     state, native = StateEngine(ctx), NativeEngine(ctx)
     _prefill(ctx, native, toks)
-    state.note_decoded(native.n_cells)
+    state.tokens = native.tokens  # one sequence, two engines reading it
     keep = _keep(np.random.default_rng(5), smollm2.arch.n_layer, smollm2.arch.n_head_kv, native.n_cells, 100)
     native.compact(keep)
-    state._n_cells = native.n_cells
     a, b = state.snapshot(), native.snapshot()
     assert np.array_equal(a.pos, b.pos)
     for layer in (0, smollm2.arch.n_layer // 2, smollm2.arch.n_layer - 1):
@@ -115,7 +112,6 @@ def test_merge_with_log_count_bias_equals_attention_over_unmerged_runs(smollm2, 
     tp = np.broadcast_to(idx.astype(np.int32), (L, H, idx.size)).copy()
 
     def unmerged() -> None:
-        ctx.clear()
         eng.reset()
         eng.restore(CacheState(blob=blob, token_pos=tp, engine="native"))
 
@@ -136,8 +132,7 @@ def test_merge_with_log_count_bias_equals_attention_over_unmerged_runs(smollm2, 
         logits, errs = [], []
         for i, t in enumerate(probe):
             ctx.capture.clear()
-            ctx.decode([t], len(body) + i)
-            eng.note_decoded(1)
+            eng.decode([t], len(body) + i)
             logits.append(ctx.logits())
             now = eng.snapshot()
             pos = np.concatenate([truth_pos, now.pos[-(i + 1):]])
@@ -211,11 +206,9 @@ def test_merge_with_log_count_bias_equals_attention_over_unmerged_runs(smollm2, 
     merged()
     saved = eng.save()
     assert saved.bias is not None and saved.bias.max() > 1.0
-    ctx.clear()
     eng.reset()
 
     def restored() -> None:
-        ctx.clear()
         eng.reset()
         eng.restore(saved)
 
@@ -320,8 +313,7 @@ def test_native_snapshot_refuses_to_read_a_changed_cache(smollm2, toks) -> None:
     eng = NativeEngine(ctx)
     _prefill(ctx, eng, toks[:100])
     snap = eng.snapshot()
-    ctx.decode([toks[100]], 100)
-    eng.note_decoded(1)
+    eng.decode([toks[100]], 100)
     with pytest.raises(EdgekvError, match="changed since this snapshot"):
         snap.keys(0)
     assert eng.snapshot().keys(0).shape[0] == 101

@@ -166,7 +166,7 @@ def test_extra_buffer_types_off_only_for_amx_builds_on_amx_cpus() -> None:
 
 @pytest.mark.slow
 def test_long_batches_do_not_crash_on_this_cpu(smollm2_path) -> None:
-    """The 21+-token batch that segfaulted in ggml_backend_amx_mul_mat (DESIGN.md 5),
+    """The 21+-token batch that segfaulted in ggml_backend_amx_mul_mat (docs/design.md section 5),
     through the product's loading path, in a child process so a crash is a failure, not a dead run."""
     code = textwrap.dedent(f"""
         from edgekv.session import Session

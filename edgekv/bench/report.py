@@ -8,9 +8,9 @@ from collections import defaultdict
 from pathlib import Path
 
 from .runner import RESULTS_FILE, load_rows
+from .speed import SPEED_FILE
 from .tasks import QA_TASKS
 
-SPEED_FILE = "speed.jsonl"
 TASK_LABEL = {"passkey": "passkey", "niah_single": "NIAH-1", "niah_multikey": "NIAH-MK", "niah_multivalue": "NIAH-MV",
               "vt": "VT", "cwe": "CWE", "ppl": "PPL"}
 

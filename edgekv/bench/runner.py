@@ -137,24 +137,10 @@ def _evals(methods: list[str], ratios: list[float]) -> list[tuple[str, float]]:
     return out
 
 
-def _use_method(sess, name: str, ratio: float) -> None:
-    from ..methods import get_method
-
-    m = get_method(name)
-    m.bind(None, ratio if ratio > 0 else None)
-    if type(m).due is not _base_due():
-        # One-shot protocol: the cache is compressed once, after the context;
-        # an incremental method must not compress again during the question.
-        object.__setattr__(m, "due", lambda *_a, **_k: False)
-    sess.method = m
-    sess.ratio = None
-    sess.budget = None
-
-
-def _base_due():
-    from ..methods.base import Method
-
-    return Method.due
+def use_one_shot(sess, name: str, ratio: float) -> None:
+    """The one-shot protocol: the cache is compressed once, after the context, and an
+    incremental method (LagKV) must not compress again during the question."""
+    sess.use(name, ratio=ratio if ratio > 0 else None, scheduled=False)
 
 
 def _stop_fn(task: str) -> Callable[[str], bool]:
@@ -195,7 +181,7 @@ def _prepare(model, task: str, length: int, grid: Grid, index: int, frame) -> Pr
 def _run_oneshot(sess, prep: Prepared, method: str, ratio: float, saved, n_prompt: int) -> dict:
     """Restore the prefilled context, compress once, ask, score."""
     sess.restore(saved)
-    _use_method(sess, method, ratio)
+    use_one_shot(sess, method, ratio)
     t0 = time.perf_counter()
     if ratio > 0:
         sess.compress(max(1, math.floor(n_prompt * (1.0 - ratio))))
@@ -229,8 +215,6 @@ def _feed_logits(sess, tokens: list[int]) -> Iterator[np.ndarray]:
     and the batch (Session.feed keeps only the last logits); otherwise token
     by token through Session.feed, which compresses as needed.
     """
-    from ..llama import lib
-
     ctx = sess.ctx
     n = len(tokens)
     if sess.engine.n_cells + n > sess.capacity or n > ctx.n_batch:
@@ -238,19 +222,7 @@ def _feed_logits(sess, tokens: list[int]) -> Iterator[np.ndarray]:
             sess.feed([t])
             yield sess.logits()
         return
-    L = lib()
-    b = ctx._batch
-    b.n_tokens = n
-    for i, t in enumerate(tokens):
-        b.token[i] = t
-        b.pos[i] = sess.n_past + i
-        b.n_seq_id[i] = 1
-        b.seq_id[i][0] = 0
-        b.logits[i] = 1
-    rc = L.llama_decode(ctx.ptr, b)
-    if rc != 0:
-        raise EdgekvError(f"llama_decode failed (code {rc}) while scoring {n} tokens")
-    sess.engine.note_decoded(n)
+    sess.engine.decode(tokens, sess.n_past, all_logits=True)
     sess.n_past += n
     sess.stats.tokens_seen += n
     sess.stats.cells = sess.engine.n_cells

@@ -121,7 +121,7 @@ def run_speed(grid: SpeedGrid, log: Callable[[str], None] | None = None) -> Path
     from ..methods import METHODS
     from ..models import resolve_model
     from ..session import Session
-    from .runner import _use_method, model_label
+    from .runner import model_label
 
     log = log or (lambda s: print(s, flush=True))
     for m in grid.methods:
@@ -151,14 +151,16 @@ def run_speed(grid: SpeedGrid, log: Callable[[str], None] | None = None) -> Path
                         if model.arch.n_ctx_train and length > model.arch.n_ctx_train:
                             log(f"skip {label} {length}: above the trained context {model.arch.n_ctx_train}")
                             continue
-                        rows = _one(model, label, ct, fa, length, grid, Session, METHODS, _use_method, log)
+                        rows = _one(model, label, ct, fa, length, grid, Session, METHODS, log)
                         _replace(path, rows, _key)
         finally:
             model.close()
     return path
 
 
-def _one(model, label, ct, fa, length, grid: SpeedGrid, Session, METHODS, _use_method, log) -> list[dict]:
+def _one(model, label, ct, fa, length, grid: SpeedGrid, Session, METHODS, log) -> list[dict]:
+    from .runner import use_one_shot
+
     toks = long_text_tokens(model, length)
     base = {"model": label, "cache_type": ct, "flash_attn": fa, "length": length, "threads": grid.threads}
     rows: list[dict] = []
@@ -185,7 +187,7 @@ def _one(model, label, ct, fa, length, grid: SpeedGrid, Session, METHODS, _use_m
             if not cls.compresses or getattr(cls, "shifts_positions", False):
                 continue
             sess.restore(saved)
-            _use_method(sess, m, grid.ratio)
+            use_one_shot(sess, m, grid.ratio)
             _reset_peak()
             t0 = time.perf_counter()
             try:

@@ -23,10 +23,9 @@ from typing import Protocol
 
 import numpy as np
 
-from ..errors import EdgekvError, StateLayoutError
-from ..llama import Context, hadamard
+from ..errors import EdgekvError
 from . import layout
-from .quant import dequantize, row_size
+from .quant import dequantize
 
 
 @dataclass
@@ -36,7 +35,7 @@ class KVSnapshot:
     Cells are in position order. ``token_pos[l, h, j]`` is the original
     position of the token whose K/V sit in cell ``j`` of (layer ``l``, head
     ``h``): after a compaction, cell j holds different tokens in different
-    heads (shared/DESIGN.md section 2). ``pos`` is llama.cpp's per-cell
+    heads (docs/design.md section 1). ``pos`` is llama.cpp's per-cell
     position, which only drives masking. Keys and values are returned as the
     model computed them: llama.cpp's Hadamard rotation of quantised caches is
     undone here, so scorers see the same channels whatever the cache type.
@@ -106,6 +105,14 @@ class KVSnapshot:
         return self._v[layer]
 
 
+def hadamard(n: int) -> np.ndarray:
+    """The orthonormal Walsh-Hadamard matrix exactly as llama.cpp builds it (float32, H @ H = I)."""
+    h = np.array([[1.0 / np.sqrt(np.float32(n))]], dtype=np.float32)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
 def _unrotate(x: np.ndarray, block: int) -> np.ndarray:
     """Undo llama.cpp's Walsh-Hadamard rotation of quantised caches (H is its own inverse)."""
     if not block:
@@ -133,10 +140,20 @@ class CacheState:
 
 
 class KVEngine(Protocol):
+    """The verbs every engine implements; ``capabilities`` names the optional ones.
+
+    An engine owns the cell count of its sequence: it decodes through its
+    context (``decode``) and counts what it appended, as mlx-lm's caches
+    advance their own offset in ``update_and_fetch``.
+    """
+
     name: str
+    capabilities: frozenset[str]  # of "merge", "score", "read", "bias"
 
     @property
     def n_cells(self) -> int: ...
+
+    def decode(self, tokens: list[int], start_pos: int, *, all_logits: bool = False) -> None: ...
 
     def snapshot(self) -> KVSnapshot: ...
 
@@ -146,7 +163,48 @@ class KVEngine(Protocol):
 
     def restore(self, state: CacheState) -> None: ...
 
-    def note_decoded(self, n: int) -> None: ...
+    def reset(self) -> None: ...
+
+    def shift(self, n_keep: int, n_discard: int) -> int: ...
+
+
+@dataclass
+class TokenMap:
+    """Which original token each (layer, KV head, cell) holds, and how many cells
+    the sequence has: the bookkeeping llama.cpp cannot do for a per-head cache.
+
+    ``token_pos`` covers the cells up to the last compaction (or restore); cells
+    decoded since then hold whole tokens at their llama.cpp position plus
+    ``pos_shift`` (the positions context shifts took away)."""
+
+    n_kv_head: int
+    token_pos: np.ndarray = field(init=False)
+    n_cells: int = 0
+    pos_shift: int = 0
+
+    def __post_init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.token_pos = np.zeros((0, self.n_kv_head, 0), dtype=np.int32)
+        self.n_cells = 0
+        self.pos_shift = 0
+
+    def full(self, pos_sorted: np.ndarray, n_layer: int) -> np.ndarray:
+        """int32 [n_layer, n_kv_head, n]: the tracked map extended by the cells decoded since."""
+        tracked = self.token_pos
+        m = tracked.shape[2] if tracked.shape[0] else 0
+        n = pos_sorted.shape[0]
+        tp = np.empty((n_layer, self.n_kv_head, n), dtype=np.int32)
+        if m:
+            tp[:, :, :m] = tracked
+        tp[:, :, m:] = pos_sorted[m:] + self.pos_shift
+        return tp
+
+    def set(self, token_pos: np.ndarray) -> None:
+        """After a compaction or restore: exactly these cells, in position order."""
+        self.token_pos = np.asarray(token_pos, dtype=np.int32).copy()
+        self.n_cells = int(self.token_pos.shape[-1])
 
 
 def check_keep(keep: np.ndarray, n_layer: int, n_kv_head: int, n_cells: int) -> np.ndarray:
@@ -187,151 +245,3 @@ def compacted_positions(pos: np.ndarray, keep: np.ndarray) -> np.ndarray:
     return pos[keep].reshape(-1, keep.shape[2]).min(axis=0).astype(np.int32)
 
 
-class StateEngine:
-    """KV engine over ``llama_state_seq_get_data`` / ``set_data`` (any stock libllama)."""
-
-    name = "state"
-
-    def __init__(self, ctx: Context, seq: int = 0) -> None:
-        arch = ctx.model.arch
-        self.ctx = ctx
-        self.seq = seq
-        self.n_kv_head = arch.n_head_kv
-        self.head_dim_k = arch.head_dim_k
-        self.head_dim_v = arch.head_dim_v
-        # iSWA models (Gemma 3) write the full-attention cache, then the
-        # sliding-window one. Only the first is compressed; the SWA cache is
-        # already bounded by its window and is written back byte for byte.
-        self.n_caches = 2 if arch.n_swa > 0 else 1
-        self._token_pos = np.zeros((0, self.n_kv_head, 0), dtype=np.int32)
-        self._n_cells = 0
-        self._pos_shift = 0  # positions removed by context shifts, to recover original positions
-
-    # -- accounting ------------------------------------------------------------
-    @property
-    def n_cells(self) -> int:
-        return self._n_cells
-
-    def note_decoded(self, n: int) -> None:
-        """Tell the engine that n new cells were appended by llama_decode."""
-        self._n_cells += n
-
-    def shift(self, n_keep: int, n_discard: int) -> int:
-        """llama.cpp's context shift on this sequence: drop cells n_keep..n_keep+n_discard-1
-        (token order) and move the later ones down by n_discard positions. Returns
-        the position delta. Only valid on a cache whose cells are whole tokens
-        (never compacted per head), which the caller guarantees."""
-        snap = self.snapshot()
-        if not np.all(snap.token_pos == snap.token_pos[:1, :1]):
-            raise EdgekvError("context shift needs an uncompacted cache (same tokens in every head)")
-        pos = snap.pos
-        p0, p1 = int(pos[n_keep]), int(pos[n_keep + n_discard])
-        delta = p1 - p0
-        if not self.ctx.seq_rm(self.seq, p0, p1):
-            raise EdgekvError("llama.cpp refused to remove the shifted range")
-        self.ctx.seq_add(self.seq, p1, -1, -delta)
-        keep = np.concatenate([np.arange(n_keep), np.arange(n_keep + n_discard, snap.n_cells)])
-        self._token_pos = snap.token_pos[:, :, keep]
-        self._n_cells = keep.size
-        self._pos_shift += delta
-        return delta
-
-    def reset(self) -> None:
-        self._pos_shift = 0
-        self._n_cells = 0
-        self._token_pos = np.zeros((0, self.n_kv_head, 0), dtype=np.int32)
-
-    # -- parsing ---------------------------------------------------------------
-    def _parse(self) -> layout.SeqState:
-        blob = self.ctx.state_get(self.seq)
-        st = layout.parse_seq_state(blob, n_caches=self.n_caches, n_layers=None)
-        total = sum(len(s.layers) for s in st.sections if s.n_cells) if self.n_caches > 1 else len(
-            st.sections[0].layers
-        )
-        if st.sections[0].n_cells and self.n_caches == 1 and total != self.ctx.model.arch.n_layer:
-            raise StateLayoutError(
-                f"state holds {total} layers, model has {self.ctx.model.arch.n_layer}"
-            )
-        sec = st.sections[0]
-        for il, ld in enumerate(sec.layers):
-            want = row_size(ld.k_type, self.n_kv_head * self.head_dim_k)
-            if ld.k_row_bytes != want:
-                raise StateLayoutError(
-                    f"layer {il}: K row is {ld.k_row_bytes} bytes, expected {want} "
-                    f"({self.n_kv_head} heads x {self.head_dim_k})"
-                )
-            if sec.v_trans:
-                if ld.n_embd_v != self.n_kv_head * self.head_dim_v:
-                    raise StateLayoutError(f"layer {il}: V has {ld.n_embd_v} channels")
-            elif ld.v_row_bytes != row_size(ld.v_type, self.n_kv_head * self.head_dim_v):
-                raise StateLayoutError(f"layer {il}: V row is {ld.v_row_bytes} bytes")
-        if sec.n_cells != self._n_cells:
-            raise StateLayoutError(
-                f"llama.cpp holds {sec.n_cells} cells for the sequence, the engine counted {self._n_cells}"
-            )
-        return st
-
-    def _token_map(self, pos_sorted: np.ndarray, n_layer: int) -> np.ndarray:
-        """Extend the tracked token map with cells decoded since the last compaction."""
-        tracked = self._token_pos
-        m = tracked.shape[2] if tracked.shape[0] else 0
-        n = pos_sorted.shape[0]
-        tp = np.empty((n_layer, self.n_kv_head, n), dtype=np.int32)
-        if m:
-            tp[:, :, :m] = tracked
-        tp[:, :, m:] = pos_sorted[m:] + self._pos_shift
-        return tp
-
-    def snapshot(self) -> KVSnapshot:
-        st = self._parse()
-        sec = st.sections[0]
-        order = np.argsort(sec.pos, kind="stable")
-        pos = sec.pos[order]
-        return KVSnapshot(
-            pos=pos,
-            token_pos=self._token_map(pos, len(sec.layers)),
-            n_kv_head=self.n_kv_head,
-            head_dim_k=self.head_dim_k,
-            head_dim_v=self.head_dim_v,
-            _section=sec,
-            _order=order,
-            _k_rot=self.ctx.k_rot,
-            _v_rot=self.ctx.v_rot,
-        )
-
-    # -- verbs -----------------------------------------------------------------
-    def compact(self, keep: np.ndarray) -> None:
-        st = self._parse()
-        sec = st.sections[0]
-        order = np.argsort(sec.pos, kind="stable")
-        pos = sec.pos[order]
-        keep = check_keep(keep, len(sec.layers), self.n_kv_head, sec.n_cells)
-        new_pos = compacted_positions(pos, keep)
-        token_pos = self._token_map(pos, len(sec.layers))
-        new_tp = np.take_along_axis(token_pos, keep, axis=2)
-        st.sections[0] = layout.gather_section(sec, order, keep, new_pos, self.n_kv_head)
-        self.ctx.state_set(layout.write_seq_state(st), self.seq)
-        self._token_pos = new_tp.astype(np.int32)
-        self._n_cells = keep.shape[2]
-
-    def save(self) -> CacheState:
-        blob = self.ctx.state_get(self.seq)
-        st = layout.parse_seq_state(blob, n_caches=self.n_caches, n_layers=None)
-        sec = st.sections[0]
-        pos = np.sort(sec.pos)
-        n_layer = len(sec.layers)
-        return CacheState(blob=blob, token_pos=self._token_map(pos, n_layer), engine=self.name)
-
-    def restore(self, state: CacheState) -> None:
-        # Validate before handing llama.cpp anything: it would replace the
-        # sequence first and only then notice a mismatch.
-        st = layout.parse_seq_state(state.blob, n_caches=self.n_caches, n_layers=None)
-        if st.sections[0].n_cells != state.n_cells:
-            raise StateLayoutError("saved state and its token map disagree on the cell count")
-        if state.n_cells > self.ctx.n_ctx:
-            raise StateLayoutError(
-                f"saved state holds {state.n_cells} cells, this context has {self.ctx.n_ctx}"
-            )
-        self.ctx.state_set(state.blob, self.seq)
-        self._token_pos = state.token_pos.copy()
-        self._n_cells = state.n_cells

@@ -3,7 +3,7 @@
 This is the portable path into the KV cache: any stock libllama can hand us a
 sequence's cells as bytes and take a rewritten blob back. The layout is the one
 written by ``llama_kv_cache::state_write`` in the llama.cpp vendored by
-llama-cpp-python 0.3.36 (see shared/DESIGN.md section 3)::
+llama-cpp-python 0.3.36 (see docs/design.md section 3)::
 
     u32 magic  i32 seq_id                                   (llama_context)
     per cache (1 for plain models, 2 for iSWA: base then SWA):

@@ -22,8 +22,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import EdgekvError, StateLayoutError
-from ..llama import Context, hadamard
-from .engine import CacheState, KVSnapshot, StateEngine, _unrotate, check_keep, compacted_positions
+from ..llama import Context
+from .engine import CacheState, KVSnapshot, _unrotate, check_keep, compacted_positions, hadamard
+from .state import StateEngine
 
 _ERRORS = {
     -1: "the KV cache is of a kind the native ops do not handle (iSWA, several sequences or streams, "
@@ -62,26 +63,45 @@ def _ptr(ctx: Context) -> int:
     return p if isinstance(p, int) else ctypes.cast(p, ctypes.c_void_p).value
 
 
-class NativeEngine(StateEngine):
-    """KV engine over edgekv's native ops; saves and restores through the state API."""
+class NativeEngine:
+    """KV engine over edgekv's native ops.
+
+    A sibling of the state engine that holds one: llama.cpp's state API still
+    saves and restores the sequence (the blob is the same either way), applies
+    context shifts, and serves while a shift's K-shift is pending, which the
+    native ops refuse. Both share one token map.
+    """
 
     name = "native"
+    capabilities = frozenset({"merge", "score", "read", "bias"})
 
     def __init__(self, ctx: Context, seq: int = 0) -> None:
-        super().__init__(ctx, seq)
         m = load()
         if m is None:
             raise NativeUnsupported("edgekv's native bindings are not built (native/build_native.py) "
                                     "or libllama lacks edgekv's patches")
         self.ffi, self.lib = m
+        self.ctx = ctx
+        self.seq = seq
+        self._portable = StateEngine(ctx, seq)
+        self.tokens = self._portable.tokens
+        self.n_kv_head = self._portable.n_kv_head
+        self.head_dim_k = self._portable.head_dim_k
+        self.head_dim_v = self._portable.head_dim_v
+        if self._portable.n_caches != 1:
+            raise NativeUnsupported("native engine: iSWA caches (two caches per sequence) use the state engine")
         out = self.ffi.new("int32_t[5]")
         rc = self.lib.llama_edgekv_kv_info(self._c, out, out + 1, out + 2, out + 3, out + 4)
         if rc != 0:
             raise NativeUnsupported(f"native engine: {_ERRORS.get(rc, rc)}")
         self.n_layer, n_head_kv, hk, hv, self.kv_size = (int(x) for x in out)
         self._gen = 0  # bumped whenever the cache changes; a snapshot reads lazily and must not outlive it
-        if (n_head_kv, hk, hv) != (self.n_kv_head, self.head_dim_k, self.head_dim_v) or self.n_caches != 1:
+        if (n_head_kv, hk, hv) != (self.n_kv_head, self.head_dim_k, self.head_dim_v):
             raise NativeUnsupported("native engine: the cache's geometry differs from the model's")
+
+    @property
+    def n_cells(self) -> int:
+        return self.tokens.n_cells
 
     # -- helpers ---------------------------------------------------------------
     @property
@@ -110,8 +130,8 @@ class NativeEngine(StateEngine):
         pos = np.empty(n, dtype=np.int32)
         if n:
             self._check(self.lib.llama_edgekv_kv_cells(self._c, self.seq, self._i32(pos), n), "cells")
-        if n != self._n_cells:
-            raise StateLayoutError(f"llama.cpp holds {n} cells for the sequence, the engine counted {self._n_cells}")
+        if n != self.n_cells:
+            raise StateLayoutError(f"llama.cpp holds {n} cells for the sequence, the engine counted {self.n_cells}")
         return pos
 
     # -- verbs -----------------------------------------------------------------
@@ -122,26 +142,26 @@ class NativeEngine(StateEngine):
         try:
             return self._snapshot()
         except NativeUnsupported:
-            return super().snapshot()
+            return self._portable.snapshot()
 
     def compact(self, keep: np.ndarray) -> None:
         self._gen += 1
         try:
             self._compact(keep)
         except NativeUnsupported:
-            super().compact(keep)
+            self._portable.compact(keep)
 
-    def note_decoded(self, n: int) -> None:
+    def decode(self, tokens: list[int], start_pos: int, *, all_logits: bool = False) -> None:
         self._gen += 1
-        super().note_decoded(n)
+        self._portable.decode(tokens, start_pos, all_logits=all_logits)
 
     def reset(self) -> None:
         self._gen += 1
-        super().reset()
+        self._portable.reset()
 
     def shift(self, n_keep: int, n_discard: int) -> int:
         self._gen += 1
-        return super().shift(n_keep, n_discard)
+        return self._portable.shift(n_keep, n_discard)
 
     def _snapshot(self) -> KVSnapshot:
         pos_cells = self.cell_positions()
@@ -160,7 +180,7 @@ class NativeEngine(StateEngine):
             v = _unrotate(v[:, order].transpose(1, 0, 2).reshape(n, H * dv), v_rot).reshape(n, H, dv)
             return k, v
 
-        return KVSnapshot(pos=pos, token_pos=self._token_map(pos, self.n_layer), n_kv_head=H,
+        return KVSnapshot(pos=pos, token_pos=self.tokens.full(pos, self.n_layer), n_kv_head=H,
                           head_dim_k=dk, head_dim_v=dv, _section=None, _order=order, _read=read)
 
     def _compact(self, keep: np.ndarray) -> None:
@@ -169,16 +189,15 @@ class NativeEngine(StateEngine):
         pos = pos_cells[order]
         keep = check_keep(keep, self.n_layer, self.n_kv_head, pos.shape[0])
         new_pos = np.ascontiguousarray(compacted_positions(pos, keep), dtype=np.int32)
-        new_tp = np.take_along_axis(self._token_map(pos, self.n_layer), keep, axis=2)
+        new_tp = np.take_along_axis(self.tokens.full(pos, self.n_layer), keep, axis=2)
         cells = np.ascontiguousarray(order[keep], dtype=np.int32)
         b = keep.shape[2]
         self._check(self.lib.llama_edgekv_kv_compact(self._c, self.seq, b, self._i32(cells), self._i32(new_pos)),
                     "compact")
-        self._token_pos = new_tp.astype(np.int32)
-        self._n_cells = b
+        self.tokens.set(new_tp)
 
     def save(self) -> CacheState:
-        state = super().save()
+        state = self._portable.save()
         if self.bias_enabled:
             state.bias = self.bias_get(cell_order=False)
         return state
@@ -187,7 +206,7 @@ class NativeEngine(StateEngine):
         if state.bias is not None and state.bias.shape != (self.n_layer, self.n_kv_head, state.n_cells):
             raise StateLayoutError("saved log-count bias does not match the saved cells")
         self._gen += 1
-        super().restore(state)
+        self._portable.restore(state)
         # llama.cpp zeroes the bias of every cell a restore writes (apply_ubatch, patch 0003)
         if state.bias is not None:
             self.bias_set(state.bias, cell_order=False)
@@ -202,7 +221,7 @@ class NativeEngine(StateEngine):
     def read(self, layer: int, cell_order: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Layer ``layer``'s K and V as stored (rotated when llama.cpp rotates them):
         float32 [n_kv_head, n_cells, head_dim], cells in position order unless ``cell_order``."""
-        n = self._n_cells
+        n = self.n_cells
         k = np.empty((self.n_kv_head, n, self.head_dim_k), np.float32)
         v = np.empty((self.n_kv_head, n, self.head_dim_v), np.float32)
         if n:
@@ -221,7 +240,7 @@ class NativeEngine(StateEngine):
 
     def bias_get(self, cell_order: bool = False) -> np.ndarray:
         """float32 [n_layer, n_kv_head, n_cells] log-count bias, position order unless ``cell_order``."""
-        n = self._n_cells
+        n = self.n_cells
         b = np.zeros((self.n_layer, self.n_kv_head, n), np.float32)
         if n:
             self._check(self.lib.llama_edgekv_kv_bias_get(self._c, self.seq, self._f32(b), n), "bias_get")
@@ -231,10 +250,10 @@ class NativeEngine(StateEngine):
 
     def bias_set(self, bias: np.ndarray, cell_order: bool = False) -> None:
         bias = np.asarray(bias, np.float32)
-        if bias.shape != (self.n_layer, self.n_kv_head, self._n_cells):
+        if bias.shape != (self.n_layer, self.n_kv_head, self.n_cells):
             raise EdgekvError(f"bias must be [n_layer, n_kv_head, n_cells], got {bias.shape}")
         bias = np.ascontiguousarray(bias if cell_order else self._to_cells(bias))
-        self._check(self.lib.llama_edgekv_kv_bias_set(self._c, self.seq, self._f32(bias), self._n_cells), "bias_set")
+        self._check(self.lib.llama_edgekv_kv_bias_set(self._c, self.seq, self._f32(bias), self.n_cells), "bias_set")
 
     def merge(self, members: np.ndarray, weights: np.ndarray) -> None:
         """Average groups of cells per (layer, head) into each group's first member.
@@ -248,7 +267,7 @@ class NativeEngine(StateEngine):
         weights = np.asarray(weights, np.float32)
         if members.ndim != 4 or members.shape[:2] != (self.n_layer, self.n_kv_head) or weights.shape != members.shape:
             raise EdgekvError("merge: members and weights must be [n_layer, n_kv_head, n_group, n_member]")
-        if np.any(members >= self._n_cells) or np.any(members < -1) or np.any(members[..., 0] < 0):
+        if np.any(members >= self.n_cells) or np.any(members < -1) or np.any(members[..., 0] < 0):
             raise EdgekvError("merge: member index out of range")
         order = np.argsort(self.cell_positions(), kind="stable")
         cells = np.where(members >= 0, order[np.maximum(members, 0)], -1).astype(np.int32)
@@ -277,7 +296,7 @@ class NativeEngine(StateEngine):
         if q_pos.shape != (n_q,):
             raise EdgekvError("score: q_pos must hold one position per query")
         scale = float(kq_scale if kq_scale is not None else 1.0 / np.sqrt(d))
-        n = self._n_cells
+        n = self.n_cells
         out = np.empty((self.n_layer, self.n_kv_head, n), np.float32)
         self._check(self.lib.llama_edgekv_kv_score(self._c, self.seq, n_head, n_q, self._f32(q), self._i32(q_pos),
                                                    scale, self._f32(out), n), "score")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import EdgekvError
-from .base import Method
+from .base import Method, ScorerMethod
 from .context_shift import ContextShift
 from .full import Full
 from .knorm import Knorm
@@ -39,4 +39,4 @@ def get_method(name: str, **params: object) -> Method:
         raise EdgekvError(f"bad parameters for {name}: {e}") from e
 
 
-__all__ = ["METHODS", "Method", "get_method"]
+__all__ = ["METHODS", "Method", "ScorerMethod", "get_method"]

@@ -1,11 +1,19 @@
 """What every compression method shares: protection of sinks and recent tokens,
 and the selection contract of the engines (same count per layer and KV head).
 
-A method either scores tokens per (layer, KV head) (``score``; higher keeps)
-and inherits the selection, or overrides ``select`` to choose indices itself
-(incremental methods such as LagKV). Hyperparameters are dataclass fields, with
-the papers' defaults, so ``edgekv methods`` can list them and the CLI can set
-them.
+Two kinds of method, as in kvpress:
+
+- a ``ScorerMethod`` only writes ``score`` (per layer: [KV heads, cells],
+  higher keeps); the base owns the protected cells and the top-k;
+- a ``Method`` that chooses indices itself overrides ``select`` (LagKV's
+  partitions, llama.cpp's context shift).
+
+``compress(engine, target)`` applies a method to a cache; a method that
+changes positions instead of evicting (context shift) overrides it. A method
+with a schedule of its own says when through ``due``; the Session asks and
+passes ``scheduled=True`` to that compression. Hyperparameters are dataclass
+fields with the papers' defaults, so ``edgekv methods`` can list them and the
+CLI can set them.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ from typing import ClassVar
 import numpy as np
 
 from ..errors import BudgetError
-from ..kvcache.engine import KVSnapshot
+from ..kvcache.engine import KVEngine, KVSnapshot
 
 
 @dataclass
@@ -43,9 +51,9 @@ class Method:
     def due(self, tokens_since_compress: int, n_cells: int) -> bool:
         """Incremental methods: compress now, before the cache is full?
 
-        Checked by the Session after every decoded chunk or token. Returning
-        True makes it call ``select`` with the session's target; ``select``
-        may then keep everything (no event is recorded)."""
+        Asked by the Session after every decoded chunk or token (unless it runs
+        the method one-shot). True makes it compress with ``scheduled=True``;
+        ``select`` may then keep everything (no event is recorded)."""
         return False
 
     def params(self) -> dict[str, object]:
@@ -61,12 +69,30 @@ class Method:
     def min_budget(self, snap: KVSnapshot) -> int:
         return int(self.protected(snap).sum(axis=2).max())
 
-    def score(self, snap: KVSnapshot, layer: int) -> np.ndarray:
-        """float [H, n] for one layer; higher means keep. Override this or ``select``."""
+    def select(self, snap: KVSnapshot, budget: int, *, scheduled: bool = False) -> np.ndarray:
+        """int [L, H, B]: cells to keep per (layer, KV head), ascending; B <= budget
+        unless ``scheduled`` (a step of the method's own schedule, see ``due``)."""
         raise NotImplementedError
 
-    def select(self, snap: KVSnapshot, budget: int) -> np.ndarray:
-        """int [L, H, budget]: cells to keep per (layer, KV head), ascending."""
+    def compress(self, engine: KVEngine, target: int, *, scheduled: bool = False) -> int:
+        """One compression of the engine's cache towards ``target`` cells; returns
+        how far positions moved (0: evicting methods keep every position)."""
+        snap = engine.snapshot()
+        keep = self.select(snap, target, scheduled=scheduled)
+        if keep.shape[2] < snap.n_cells:
+            engine.compact(keep)
+        return 0
+
+
+@dataclass
+class ScorerMethod(Method):
+    """A method that scores cells per (layer, KV head); the base keeps the top ``budget``."""
+
+    def score(self, snap: KVSnapshot, layer: int) -> np.ndarray:
+        """float [H, n] for one layer; higher means keep."""
+        raise NotImplementedError
+
+    def select(self, snap: KVSnapshot, budget: int, *, scheduled: bool = False) -> np.ndarray:
         n = snap.n_cells
         if budget >= n:
             return np.broadcast_to(np.arange(n), (snap.n_layer, snap.n_kv_head, n)).copy()

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..kvcache.engine import KVSnapshot
+from ..kvcache.engine import KVEngine, KVSnapshot
 from .base import Method
 
 
@@ -14,7 +14,7 @@ class ContextShift(Method):
     keep the first ``n_keep`` tokens, discard the older half of the rest, and
     shift the survivors' positions down (``llama_memory_seq_rm`` +
     ``llama_memory_seq_add``, which re-rotates the cached keys). Unlike every
-    other method here it changes positions, so the Session runs it through
+    other method here it changes positions, so its ``compress`` runs through
     llama.cpp's memory API instead of a compaction; ``select`` only says which
     cells survive. ``n_keep=1`` stands for llama.cpp keeping the BOS token.
     The budget is ignored: each event halves the cache, as llama.cpp does."""
@@ -30,7 +30,11 @@ class ContextShift(Method):
     def n_discard(self, n_cells: int) -> int:
         return max(0, (n_cells - self.n_keep) // 2)
 
-    def select(self, snap: KVSnapshot, budget: int) -> np.ndarray:
+    def compress(self, engine: KVEngine, target: int, *, scheduled: bool = False) -> int:
+        """llama.cpp's memory API moves the survivors down: positions shift by -delta."""
+        return -engine.shift(self.n_keep, self.n_discard(engine.n_cells))
+
+    def select(self, snap: KVSnapshot, budget: int, *, scheduled: bool = False) -> np.ndarray:
         n = snap.n_cells
         d = self.n_discard(n)
         idx = np.concatenate([np.arange(min(self.n_keep, n)), np.arange(self.n_keep + d, n)])

@@ -5,11 +5,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..kvcache.engine import KVSnapshot
-from .base import Method
+from .base import ScorerMethod
 
 
 @dataclass
-class Knorm(Method):
+class Knorm(ScorerMethod):
     """Keep the keys with the LOWEST L2 norm, per layer and KV head (Devoto et
     al., 2024: low key norm correlates with high attention). Needs only the
     cached keys, so it works with flash attention and quantised caches."""

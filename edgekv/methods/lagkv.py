@@ -1,4 +1,5 @@
-"""LagKV (shared/papers/lagkv.txt; spec: shared/methods/lagkv.md).
+"""LagKV ("LagKV: Lag-Relative Information of the KV Cache Tells Which Tokens Are Important",
+arXiv:2504.04704; notes in docs/methods.md).
 
 Per (layer, KV head): the first ``sinks`` tokens stay; the rest of the
 sequence is cut, on ORIGINAL token positions, into partitions of ``L`` tokens,
@@ -19,7 +20,7 @@ are held intact (every position present in every head) back to some
 position; partitions that start at or after it are uncompressed, those before
 it are done. So save/restore and session files need no extra state, and the
 kept set after any number of incremental steps equals a one-shot pass over
-the same K/V (spec section 2.9).
+the same K/V (docs/methods.md, lagkv).
 
 Budget conventions (session.py):
 
@@ -47,12 +48,12 @@ Budget conventions (session.py):
   tokens (StreamingLLM), down to the ``window`` newest cells (a field,
   default 32); below sinks + ``window`` it is a BudgetError.
 
-How ``select`` knows a compression was its own scheduled step: ``due`` sets a
-flag that ``select`` consumes (the Session calls ``select`` right after a
-``due`` that returned True). That flag and a hint of when the next successor
-completes are the only state, and neither changes which tokens are kept in
-budget mode; after a restore (ratio mode) the stale hint can make the next
-paper step fire early (a select that keeps everything) or up to 2L tokens late.
+How ``select`` knows a compression was its own scheduled step: the Session
+asks ``due`` and passes ``scheduled=True`` to the compression that follows.
+A hint of when the next successor completes is the only state, and it does
+not change which tokens are kept in budget mode; after a restore (ratio mode)
+the stale hint can make the next paper step fire early (a select that keeps
+everything) or up to 2L tokens late.
 
 Defaults: S = 16 (the paper), r = 0.5 (the authors' code), L = 128: the
 paper's smallest lag (it also runs 512 and 1024), because the L..2L-1 window
@@ -60,7 +61,7 @@ must fit the small budgets edgekv is for (the chat default is 1024 cells;
 L = 1024 would need 2063). ``--param L=1024`` gives the paper's main setting.
 
 NaN policy: the reference code divides by max - min with no guard. Here the
-denominator is max(max - min, 1e-6) (the spec's recommendation): a channel
+denominator is max(max - min, 1e-6) (a guard the paper's code lacks): a channel
 that is constant over the reference contributes 0 for tokens equal to that
 constant and a large value for tokens that deviate from it (the limit the
 equation tends to), so scores stay finite. Non-finite K/V (never produced by
@@ -199,10 +200,9 @@ class LagKV(Method):
             raise ValueError(f"r (fraction kept per partition) must be in [0, 1], got {self.r!r}")
         if self.sinks < 0 or self.window < 0:
             raise ValueError("sinks and window must be >= 0")
-        # Set by bind/due/select; never needed for correctness (see the module docstring).
+        # Set by bind and select; never needed for correctness (see the module docstring).
         self._budget: int | None = None
         self._r: float | None = None
-        self._scheduled = False  # the last due() asked for this compression
         self._due_in = 0  # tokens until the next partition's successor completes
 
     # -- budget rule -----------------------------------------------------------
@@ -215,7 +215,6 @@ class LagKV(Method):
     def bind(self, budget: int | None, ratio: float | None) -> None:
         self._budget = budget
         self._r = None if ratio is None else 1.0 - ratio
-        self._scheduled = False
         self._due_in = 0
         need = self.sinks + 2 * self.L - 1
         if budget is not None and budget < need:
@@ -233,7 +232,6 @@ class LagKV(Method):
             # Two complete partitions after the sinks is necessary; _due_in (from
             # the last selection) says when the next successor completes.
             fire = n_cells >= self.sinks + 2 * self.L and tokens_since_compress >= self._due_in
-        self._scheduled = fire
         return fire
 
     # -- selection -------------------------------------------------------------
@@ -338,9 +336,8 @@ class LagKV(Method):
         top = np.sort(np.argsort(-key, axis=-1, kind="stable")[..., :goal], axis=-1)
         return np.take_along_axis(keep, top, axis=-1)
 
-    def select(self, snap: KVSnapshot, budget: int) -> np.ndarray:
+    def select(self, snap: KVSnapshot, budget: int, *, scheduled: bool = False) -> np.ndarray:
         n = snap.n_cells
-        scheduled, self._scheduled = self._scheduled, False
         if budget >= n:
             return np.broadcast_to(np.arange(n), (snap.n_layer, snap.n_kv_head, n)).copy()
         tp = snap.token_pos.astype(np.int64)

@@ -5,11 +5,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..kvcache.engine import KVSnapshot
-from .base import Method
+from .base import ScorerMethod
 
 
 @dataclass
-class Random(Method):
+class Random(ScorerMethod):
     """The control: uniform random scores per (layer, head). A method that does
     not beat this at the same budget is not selecting anything useful."""
 

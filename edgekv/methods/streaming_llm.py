@@ -5,11 +5,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..kvcache.engine import KVSnapshot
-from .base import Method
+from .base import ScorerMethod
 
 
 @dataclass
-class StreamingLLM(Method):
+class StreamingLLM(ScorerMethod):
     """StreamingLLM (Xiao et al., 2023): attention sinks plus the most recent
     tokens. Scoring by recency makes every (layer, head) keep the same
     tokens, so this is also what a whole-cell eviction would do."""

@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmark scripts: results files, machine facts, plots."""
+"""Where the benchmark scripts in ``bench/`` write, and what every result records."""
 
 from __future__ import annotations
 
@@ -6,12 +6,13 @@ import json
 import subprocess
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+#: the repository's ``bench/results`` (the scripts run from a checkout)
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 
 
 def machine() -> dict[str, object]:
-    """The benchmark environment (shared with `edgekv bench`) plus the commit measured."""
-    from edgekv.bench.runner import environment
+    """The benchmark environment (shared with ``edgekv bench``) plus the commit measured."""
+    from .runner import environment
 
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,

@@ -1,0 +1,153 @@
+"""The portable engine: llama.cpp's per-sequence state API, parsed and rewritten in numpy.
+
+Works with any stock libllama: ``llama_state_seq_get_data`` hands over the
+sequence's cells as bytes (``layout.py`` parses them), a compaction gathers
+rows per (layer, KV head) and ``llama_state_seq_set_data`` takes the rebuilt
+blob back. The native engine (``native.py``) does the same where the cache
+lives and falls back to this one where its ops cannot serve.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import EdgekvError, StateLayoutError
+from ..llama import Context
+from . import layout
+from .engine import CacheState, KVSnapshot, TokenMap, check_keep, compacted_positions
+from .quant import row_size
+
+
+class StateEngine:
+    """KV engine over ``llama_state_seq_get_data`` / ``set_data`` (any stock libllama)."""
+
+    name = "state"
+    capabilities: frozenset[str] = frozenset()
+
+    def __init__(self, ctx: Context, seq: int = 0, tokens: TokenMap | None = None) -> None:
+        arch = ctx.model.arch
+        self.ctx = ctx
+        self.seq = seq
+        self.n_kv_head = arch.n_head_kv
+        self.head_dim_k = arch.head_dim_k
+        self.head_dim_v = arch.head_dim_v
+        # iSWA models (Gemma 3) write the full-attention cache, then the
+        # sliding-window one. Only the first is compressed; the SWA cache is
+        # already bounded by its window and is written back byte for byte.
+        self.n_caches = 2 if arch.n_swa > 0 else 1
+        # shared with the native engine when it uses this one as its fallback
+        self.tokens = tokens if tokens is not None else TokenMap(self.n_kv_head)
+
+    # -- accounting ------------------------------------------------------------
+    @property
+    def n_cells(self) -> int:
+        return self.tokens.n_cells
+
+    def decode(self, tokens: list[int], start_pos: int, *, all_logits: bool = False) -> None:
+        """Decode tokens at start_pos.. into the sequence and count the cells they take."""
+        self.ctx.decode(tokens, start_pos, all_logits=all_logits, seq=self.seq)
+        self.tokens.n_cells += len(tokens)
+
+    def shift(self, n_keep: int, n_discard: int) -> int:
+        """llama.cpp's context shift on this sequence: drop cells n_keep..n_keep+n_discard-1
+        (token order) and move the later ones down by n_discard positions. Returns
+        the position delta. Only valid on a cache whose cells are whole tokens
+        (never compacted per head), which the caller guarantees."""
+        snap = self.snapshot()
+        if not np.all(snap.token_pos == snap.token_pos[:1, :1]):
+            raise EdgekvError("context shift needs an uncompacted cache (same tokens in every head)")
+        pos = snap.pos
+        p0, p1 = int(pos[n_keep]), int(pos[n_keep + n_discard])
+        delta = p1 - p0
+        if not self.ctx.seq_rm(self.seq, p0, p1):
+            raise EdgekvError("llama.cpp refused to remove the shifted range")
+        self.ctx.seq_add(self.seq, p1, -1, -delta)
+        keep = np.concatenate([np.arange(n_keep), np.arange(n_keep + n_discard, snap.n_cells)])
+        self.tokens.set(snap.token_pos[:, :, keep])
+        self.tokens.pos_shift += delta
+        return delta
+
+    def reset(self) -> None:
+        """Empty the sequence (llama.cpp's cells and the token map)."""
+        self.ctx.seq_rm(self.seq, -1, -1)
+        self.tokens.reset()
+
+    # -- parsing ---------------------------------------------------------------
+    def _parse(self) -> layout.SeqState:
+        blob = self.ctx.state_get(self.seq)
+        st = layout.parse_seq_state(blob, n_caches=self.n_caches, n_layers=None)
+        total = sum(len(s.layers) for s in st.sections if s.n_cells) if self.n_caches > 1 else len(
+            st.sections[0].layers
+        )
+        if st.sections[0].n_cells and self.n_caches == 1 and total != self.ctx.model.arch.n_layer:
+            raise StateLayoutError(
+                f"state holds {total} layers, model has {self.ctx.model.arch.n_layer}"
+            )
+        sec = st.sections[0]
+        for il, ld in enumerate(sec.layers):
+            want = row_size(ld.k_type, self.n_kv_head * self.head_dim_k)
+            if ld.k_row_bytes != want:
+                raise StateLayoutError(
+                    f"layer {il}: K row is {ld.k_row_bytes} bytes, expected {want} "
+                    f"({self.n_kv_head} heads x {self.head_dim_k})"
+                )
+            if sec.v_trans:
+                if ld.n_embd_v != self.n_kv_head * self.head_dim_v:
+                    raise StateLayoutError(f"layer {il}: V has {ld.n_embd_v} channels")
+            elif ld.v_row_bytes != row_size(ld.v_type, self.n_kv_head * self.head_dim_v):
+                raise StateLayoutError(f"layer {il}: V row is {ld.v_row_bytes} bytes")
+        if sec.n_cells != self.n_cells:
+            raise StateLayoutError(
+                f"llama.cpp holds {sec.n_cells} cells for the sequence, the engine counted {self.n_cells}"
+            )
+        return st
+
+    def snapshot(self) -> KVSnapshot:
+        st = self._parse()
+        sec = st.sections[0]
+        order = np.argsort(sec.pos, kind="stable")
+        pos = sec.pos[order]
+        return KVSnapshot(
+            pos=pos,
+            token_pos=self.tokens.full(pos, len(sec.layers)),
+            n_kv_head=self.n_kv_head,
+            head_dim_k=self.head_dim_k,
+            head_dim_v=self.head_dim_v,
+            _section=sec,
+            _order=order,
+            _k_rot=self.ctx.k_rot,
+            _v_rot=self.ctx.v_rot,
+        )
+
+    # -- verbs -----------------------------------------------------------------
+    def compact(self, keep: np.ndarray) -> None:
+        st = self._parse()
+        sec = st.sections[0]
+        order = np.argsort(sec.pos, kind="stable")
+        pos = sec.pos[order]
+        keep = check_keep(keep, len(sec.layers), self.n_kv_head, sec.n_cells)
+        new_pos = compacted_positions(pos, keep)
+        new_tp = np.take_along_axis(self.tokens.full(pos, len(sec.layers)), keep, axis=2)
+        st.sections[0] = layout.gather_section(sec, order, keep, new_pos, self.n_kv_head)
+        self.ctx.state_set(layout.write_seq_state(st), self.seq)
+        self.tokens.set(new_tp)
+
+    def save(self) -> CacheState:
+        blob = self.ctx.state_get(self.seq)
+        st = layout.parse_seq_state(blob, n_caches=self.n_caches, n_layers=None)
+        sec = st.sections[0]
+        pos = np.sort(sec.pos)
+        return CacheState(blob=blob, token_pos=self.tokens.full(pos, len(sec.layers)), engine=self.name)
+
+    def restore(self, state: CacheState) -> None:
+        # Validate before handing llama.cpp anything: it would replace the
+        # sequence first and only then notice a mismatch.
+        st = layout.parse_seq_state(state.blob, n_caches=self.n_caches, n_layers=None)
+        if st.sections[0].n_cells != state.n_cells:
+            raise StateLayoutError("saved state and its token map disagree on the cell count")
+        if state.n_cells > self.ctx.n_ctx:
+            raise StateLayoutError(
+                f"saved state holds {state.n_cells} cells, this context has {self.ctx.n_ctx}"
+            )
+        self.ctx.state_set(state.blob, self.seq)
+        self.tokens.set(state.token_pos)
