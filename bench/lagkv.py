@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from bench.passkey import QUESTION, make_sample  # noqa: E402
+from edgekv.bench import protocol
 from edgekv.bench.results import RESULTS, machine, write_json
 
 BASELINES = ("streaming_llm", "knorm")
@@ -45,12 +46,8 @@ def run_model(model_arg: str, a: argparse.Namespace, rows: list[dict], save) -> 
     t_model = time.perf_counter()
     for i in range(a.n):
         text, key = make_sample(sess.model, a.tokens, rng)
-        sess.reset()
-        t0 = time.perf_counter()
-        sess.feed_text(text, add_special=True)
-        prefill_s = time.perf_counter() - t0
-        saved = sess.save()
-        n_prompt = sess.engine.n_cells
+        pre = protocol.prefill(sess, sess.model.tokenize(text, add_special=True))
+        prefill_s, n_prompt = pre.seconds, pre.n_cells
 
         trials = [(get_method("full"), n_prompt, {"L": None, "ratio": 0.0})]
         for R in ratios:
@@ -61,11 +58,8 @@ def run_model(model_arg: str, a: argparse.Namespace, rows: list[dict], save) -> 
                 info = {"L": L, "ratio": R}
                 trials += [(m, cells, info)] + [(get_method(b), cells, info) for b in BASELINES]
         for method, cells, info in trials:
-            sess.restore(saved)
-            sess.use(method, ratio=info["ratio"] or None)
-            t1 = time.perf_counter()
-            sess.compress(cells)
-            comp_s = time.perf_counter() - t1
+            # LagKV's own schedule stays on during the question, as in a session
+            comp_s = protocol.compress_once(sess, pre, method, ratio=info["ratio"], target=cells, scheduled=True)
             kept = sess.engine.n_cells
             sess.feed(q)
             out = ""

@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 import random
 import re
-import time
 from pathlib import Path
 
+from edgekv.bench import protocol
 from edgekv.bench.results import RESULTS, machine, write_json
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -65,21 +65,13 @@ def main() -> None:
         task = prog.add_task("passkey", total=a.n)
         for i in range(a.n):
             text, key = make_sample(sess.model, a.tokens, rng)
-            sess.reset()
-            t0 = time.perf_counter()
-            sess.feed_text(text, add_special=True)
-            prefill_s = time.perf_counter() - t0
-            saved = sess.save()
-            n_prompt = sess.engine.n_cells
+            pre = protocol.prefill(sess, sess.model.tokenize(text, add_special=True))
+            prefill_s, n_prompt = pre.seconds, pre.n_cells
             q = sess.model.tokenize(QUESTION, add_special=False)
             for m in methods:
                 for frac in ([1.0] if m == "full" else kept):
-                    sess.restore(saved)
-                    sess.use(m, scheduled=False)
-                    t1 = time.perf_counter()
-                    if m != "full":
-                        sess.compress(max(1, int(round(frac * n_prompt))))
-                    comp_s = time.perf_counter() - t1
+                    target = n_prompt if m == "full" else max(1, int(round(frac * n_prompt)))
+                    comp_s = protocol.compress_once(sess, pre, m, target=target)
                     sess.feed(q)
                     out = "".join(sess.generate(8))
                     got = re.findall(r"\d{5}", out)

@@ -115,6 +115,12 @@ class Session:
         (LagKV's incremental steps) is never asked, only full caches and explicit
         ``compress`` calls compress. The cache is kept as it is."""
         method = method if isinstance(method, Method) else get_method(method, **params)
+        missing = method.needs - self.engine.capabilities
+        if missing:
+            raise EdgekvError(
+                f"method {method.name!r} needs {', '.join(sorted(missing))}, which the {self.engine.name} engine "
+                "lacks (the native engine has it: a patched libllama and a model without sliding-window layers)"
+            )
         _check_budget(method, budget, ratio, self.capacity)
         method.bind(budget, ratio)
         self.method = method

@@ -123,7 +123,7 @@ def fetch_sdist() -> Path:
     return next(dest.glob(f"llama_cpp_python-{VERSION}.tar.gz"))
 
 
-def apply_patches(src: Path, stock: bool) -> None:
+def apply_patches(src: Path, stock: bool = False) -> None:
     vendor = src / "vendor" / "llama.cpp"
     for p in patches(stock):
         log(f"applying {p.name}")

@@ -32,19 +32,19 @@ typedef int32_t llama_seq_id;
 typedef int32_t llama_pos;
 
 int32_t llama_edgekv_api_version(void);
-int32_t llama_edgekv_kv_info(struct llama_context * ctx, int32_t * n_layer, int32_t * n_head_kv,
+int32_t llama_edgekv_cache_info(struct llama_context * ctx, int32_t * n_layer, int32_t * n_head_kv,
                              int32_t * n_embd_head_k, int32_t * n_embd_head_v, int32_t * kv_size);
-int32_t llama_edgekv_kv_cells(struct llama_context * ctx, llama_seq_id seq_id, llama_pos * pos, int32_t cap);
-int32_t llama_edgekv_kv_compact(struct llama_context * ctx, llama_seq_id seq_id, int32_t n_keep,
+int32_t llama_edgekv_seq_cells(struct llama_context * ctx, llama_seq_id seq_id, llama_pos * pos, int32_t cap);
+int32_t llama_edgekv_seq_compact(struct llama_context * ctx, llama_seq_id seq_id, int32_t n_keep,
                                 const int32_t * keep, const llama_pos * pos);
-int32_t llama_edgekv_kv_merge(struct llama_context * ctx, llama_seq_id seq_id, int32_t n_group, int32_t n_member,
+int32_t llama_edgekv_seq_merge(struct llama_context * ctx, llama_seq_id seq_id, int32_t n_group, int32_t n_member,
                               const int32_t * members, const float * weights);
-int32_t llama_edgekv_kv_bias_enable(struct llama_context * ctx);
-bool    llama_edgekv_kv_bias_enabled(struct llama_context * ctx);
-int32_t llama_edgekv_kv_bias_get(struct llama_context * ctx, llama_seq_id seq_id, float * bias, int32_t n);
-int32_t llama_edgekv_kv_bias_set(struct llama_context * ctx, llama_seq_id seq_id, const float * bias, int32_t n);
-int32_t llama_edgekv_kv_read(struct llama_context * ctx, llama_seq_id seq_id, int32_t il, float * k, float * v, int32_t n);
-int32_t llama_edgekv_kv_score(struct llama_context * ctx, llama_seq_id seq_id, int32_t n_head, int32_t n_q,
+int32_t llama_edgekv_bias_enable(struct llama_context * ctx);
+bool    llama_edgekv_bias_enabled(struct llama_context * ctx);
+int32_t llama_edgekv_seq_bias_get(struct llama_context * ctx, llama_seq_id seq_id, float * bias, int32_t n);
+int32_t llama_edgekv_seq_bias_set(struct llama_context * ctx, llama_seq_id seq_id, const float * bias, int32_t n);
+int32_t llama_edgekv_seq_read(struct llama_context * ctx, llama_seq_id seq_id, int32_t il, float * k, float * v, int32_t n);
+int32_t llama_edgekv_seq_score(struct llama_context * ctx, llama_seq_id seq_id, int32_t n_head, int32_t n_q,
                               const float * q, const llama_pos * q_pos, float kq_scale, float * out, int32_t n);
 """
 
@@ -102,7 +102,7 @@ def build() -> Path:
     return _compile(
         "_edgekv_native", CDEF,
         '#include "llama-edgekv.h"\n'
-        "#if LLAMA_EDGEKV_API_VERSION < 2\n#error edgekv needs patch set v2 or later\n#endif\n",
+        "#if LLAMA_EDGEKV_API_VERSION < 3\n#error edgekv needs patch set v3 or later\n#endif\n",
         ["llama"],
     )
 

@@ -260,12 +260,12 @@ def test_bad_arguments_are_refused_and_cache_kept(smollm2, toks) -> None:
     keep = np.zeros(L * H * 10, np.int32)
     keep[3] = n  # out of range
     pos = np.arange(10, dtype=np.int32)
-    assert lib.llama_edgekv_kv_compact(c, 0, 10, ffi.from_buffer("int32_t[]", keep), ffi.from_buffer("int32_t[]", pos)) == -2
+    assert lib.llama_edgekv_seq_compact(c, 0, 10, ffi.from_buffer("int32_t[]", keep), ffi.from_buffer("int32_t[]", pos)) == -2
     keep[3] = 0
     pos[4] = pos[3]  # not increasing
-    assert lib.llama_edgekv_kv_compact(c, 0, 10, ffi.from_buffer("int32_t[]", keep), ffi.from_buffer("int32_t[]", pos)) == -2
-    assert lib.llama_edgekv_kv_compact(c, 0, n + 1, ffi.from_buffer("int32_t[]", keep), ffi.from_buffer("int32_t[]", pos)) == -2
-    assert lib.llama_edgekv_kv_read(c, 0, L, ffi.NULL, ffi.NULL, n) == -2
+    assert lib.llama_edgekv_seq_compact(c, 0, 10, ffi.from_buffer("int32_t[]", keep), ffi.from_buffer("int32_t[]", pos)) == -2
+    assert lib.llama_edgekv_seq_compact(c, 0, n + 1, ffi.from_buffer("int32_t[]", keep), ffi.from_buffer("int32_t[]", pos)) == -2
+    assert lib.llama_edgekv_seq_read(c, 0, L, ffi.NULL, ffi.NULL, n) == -2
     with pytest.raises(EdgekvError):
         eng.merge(-np.ones((L, H, 1, 2), np.int64), np.ones((L, H, 1, 2), np.float32))
     with pytest.raises(EdgekvError):

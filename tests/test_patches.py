@@ -30,8 +30,12 @@ def test_patches_apply_in_order_to_the_pinned_source(tmp_path) -> None:
     assert [p.name[:4] for p in patches] == [f"{i:04d}" for i in range(1, len(patches) + 1)]
     bl.apply_patches(src)  # exits with the rejected hunk if one does not apply
     vendor = src / "vendor" / "llama.cpp"
-    assert "LLAMA_EDGEKV_API_VERSION 2" in (vendor / "include" / "llama-edgekv.h").read_text()
-    assert "llama_edgekv_kv_compact" in (vendor / "src" / "llama-edgekv.cpp").read_text()
+    header = (vendor / "include" / "llama-edgekv.h").read_text()
+    assert "LLAMA_EDGEKV_API_VERSION 3" in header and "enum llama_edgekv_status" in header
+    assert "llama_edgekv_seq_compact" in (vendor / "src" / "llama-edgekv.cpp").read_text()
+    # one header, written by one patch
+    touching = [p.name for p in patches if "include/llama-edgekv.h" in p.read_text()]
+    assert touching == ["0001-edgekv-api-entry-point.patch"]
     assert not list(vendor.rglob("*.rej"))
     readme = (ROOT / "ggml_patches" / "README.md").read_text()
     for p in patches:

@@ -209,3 +209,33 @@ def test_context_shift_matches_llama_cpp_semantics(smollm2) -> None:
         assert snap.token_pos[0, 0, 0] == 0
         assert snap.token_pos[0, 0, -1] == len(toks) - 1
         assert "".join(s.generate(8)).strip()
+
+
+def test_use_switches_methods_and_refuses_what_the_session_cannot_do(smollm2) -> None:
+    from dataclasses import dataclass
+
+    from edgekv.methods import Method
+
+    toks = smollm2.tokenize(PROMPT * 3)
+    with Session(smollm2, method="full", n_ctx=256, chunk=128, engine="state", n_threads=2) as s:
+        s.feed(toks[:100])
+        assert s.chunk == 128
+        s.use("knorm", budget=64)
+        assert s.method.name == "knorm" and s.budget == 64 and s.chunk == 128  # min(128, 256 - 64)
+        s.use("streaming_llm", budget=200)
+        assert s.chunk == 56  # a compression must leave room for the next chunk
+        for kw in (dict(budget=256), dict(budget=8), dict(ratio=0.5, budget=64)):
+            with pytest.raises(BudgetError) as e:
+                s.use("knorm", **kw)
+            assert "\n" not in str(e.value)
+        assert s.method.name == "streaming_llm" and s.budget == 200  # a refused use changes nothing
+
+        @dataclass
+        class NeedsMerge(Method):
+            name = "needs_merge"
+            needs = frozenset({"merge"})
+
+        with pytest.raises(EdgekvError, match="needs merge, which the state engine lacks"):
+            s.use(NeedsMerge())
+        s.feed(toks[100:])  # 200 + the rest: compresses to the budget on the way
+        assert s.stats.compressions >= 1 and s.engine.n_cells <= 256

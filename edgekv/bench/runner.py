@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import EdgekvError
-from . import scoring, tasks
+from . import protocol, scoring, tasks
 
 RESULTS_FILE = "results.jsonl"
 DEFAULT_RATIOS = (0.5, 0.75, 0.875, 0.9375)
@@ -137,12 +137,6 @@ def _evals(methods: list[str], ratios: list[float]) -> list[tuple[str, float]]:
     return out
 
 
-def use_one_shot(sess, name: str, ratio: float) -> None:
-    """The one-shot protocol: the cache is compressed once, after the context, and an
-    incremental method (LagKV) must not compress again during the question."""
-    sess.use(name, ratio=ratio if ratio > 0 else None, scheduled=False)
-
-
 def _stop_fn(task: str) -> Callable[[str], bool]:
     if task in SINGLE_ANSWER:
         return lambda s: re.search(r"\d+\D", s) is not None or ("\n" in s.strip())
@@ -178,14 +172,9 @@ def _prepare(model, task: str, length: int, grid: Grid, index: int, frame) -> Pr
     return Prepared(s, tasks.build_prompt(s, query_aware=grid.query_aware, frame=frame), None, None)
 
 
-def _run_oneshot(sess, prep: Prepared, method: str, ratio: float, saved, n_prompt: int) -> dict:
-    """Restore the prefilled context, compress once, ask, score."""
-    sess.restore(saved)
-    use_one_shot(sess, method, ratio)
-    t0 = time.perf_counter()
-    if ratio > 0:
-        sess.compress(max(1, math.floor(n_prompt * (1.0 - ratio))))
-    compress_s = time.perf_counter() - t0
+def _run_oneshot(sess, prep: Prepared, method: str, ratio: float, pre: protocol.Prefill) -> dict:
+    """The shared protocol (restore the prefilled context, compress once), then ask and score."""
+    compress_s = protocol.compress_once(sess, pre, method, ratio=ratio)
     cells = sess.engine.n_cells
     row = {"cells": cells, "kv_bytes": cells * sess.stats.kv_bytes_per_cell, "compress_s": round(compress_s, 4)}
     row.update(_answer(sess, prep))
@@ -375,15 +364,10 @@ def run_quality(grid: Grid, *, log: Callable[[str], None] | None = None) -> Path
                 frame = tasks.chat_frame(model) if grid.chat and task != "ppl" else None
                 prep = _prepare(model, task, length, grid, i, frame)
                 rep.stage(f"{label} {ct} L={length} {task} #{i}: prefill", len(todo) + 1)
-                sess.reset()
-                t0 = time.perf_counter()
-                if task == "ppl":
-                    sess.feed(prep.tokens[:-1])
-                else:
-                    sess.feed_text(prep.prompt.context, add_special=True)
-                prefill_s = time.perf_counter() - t0
-                n_prompt = sess.engine.n_cells
-                saved = sess.save()
+                ctx_tokens = (prep.tokens[:-1] if task == "ppl"
+                              else model.tokenize(prep.prompt.context, add_special=True))
+                pre = protocol.prefill(sess, ctx_tokens)
+                prefill_s, n_prompt = pre.seconds, pre.n_cells
                 rep.advance_stage()
                 summary = []
                 for m, r in todo:
@@ -394,7 +378,7 @@ def run_quality(grid: Grid, *, log: Callable[[str], None] | None = None) -> Path
                         if getattr(METHODS[m], "shifts_positions", False):
                             row.update(_run_streaming(model, grid, ct, prep, m, r, n_prompt))
                         else:
-                            row.update(_run_oneshot(sess, prep, m, r, saved, n_prompt))
+                            row.update(_run_oneshot(sess, prep, m, r, pre))
                     except EdgekvError as e:  # e.g. a budget below what the method must keep
                         row.update({"error": str(e), "score": None})
                     row["kept"] = round(row["cells"] / n_prompt, 4) if row.get("cells") else None

@@ -159,7 +159,7 @@ def run_speed(grid: SpeedGrid, log: Callable[[str], None] | None = None) -> Path
 
 
 def _one(model, label, ct, fa, length, grid: SpeedGrid, Session, METHODS, log) -> list[dict]:
-    from .runner import use_one_shot
+    from . import protocol
 
     toks = long_text_tokens(model, length)
     base = {"model": label, "cache_type": ct, "flash_attn": fa, "length": length, "threads": grid.threads}
@@ -168,11 +168,8 @@ def _one(model, label, ct, fa, length, grid: SpeedGrid, Session, METHODS, log) -
     with Session(model, method="full", n_ctx=n_ctx, chunk=512, cache_type_k=ct, cache_type_v=ct,
                  flash_attn=fa, n_threads=grid.threads) as sess:
         _reset_peak()
-        t0 = time.perf_counter()
-        sess.feed(toks)
-        prefill_s = time.perf_counter() - t0
-        saved = sess.save()
-        n_prompt = sess.engine.n_cells
+        pre = protocol.prefill(sess, toks)
+        prefill_s, n_prompt = pre.seconds, pre.n_cells
         per_cell = sess.stats.kv_bytes_per_cell
         dec = _decode(sess, grid.decode_tokens)
         rows.append({**base, "mode": "oneshot", "method": "full", "ratio": 0.0, "prefill_s": round(prefill_s, 3),
@@ -181,21 +178,16 @@ def _one(model, label, ct, fa, length, grid: SpeedGrid, Session, METHODS, log) -
                      "peak_rss_mib": round(_status("VmHWM"), 1)})
         log(f"{label} {ct} fa={fa} {length}: prefill {length / prefill_s:.0f} tok/s, full-cache decode {dec:.1f} tok/s, "
             f"KV {n_prompt * per_cell / 2**20:.1f} MiB")
-        target = max(1, math.floor(n_prompt * (1 - grid.ratio)))
         for m in grid.methods:
             cls = METHODS[m]
             if not cls.compresses or getattr(cls, "shifts_positions", False):
                 continue
-            sess.restore(saved)
-            use_one_shot(sess, m, grid.ratio)
             _reset_peak()
-            t0 = time.perf_counter()
             try:
-                sess.compress(target)
+                cs = protocol.compress_once(sess, pre, m, ratio=grid.ratio)
             except EdgekvError as e:
                 log(f"  {m}: {e}")
                 continue
-            cs = time.perf_counter() - t0
             cells = sess.engine.n_cells
             sess.feed([toks[-1]])  # logits to continue from (a restore drops them)
             dec = _decode(sess, grid.decode_tokens)

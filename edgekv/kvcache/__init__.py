@@ -44,12 +44,15 @@ def engine_summary() -> str:
     lib()
     import llama_cpp.llama_cpp as L
 
-    from .native import api_version
+    from .native import NATIVE_API, api_version
 
     if native_available():
         fn = L._lib.llama_edgekv_api_version
         fn.restype = ctypes.c_int32
         v = fn()
+        if v < NATIVE_API:
+            return (f"engine: state (portable); libllama carries edgekv patch set v{v}, older than the v{NATIVE_API} "
+                    "this edgekv needs (rerun scripts/setup.sh)")
         if api_version():
             return (f"engine: native (libllama carries edgekv patch set v{v}; compaction, merge with "
                     "log-count bias, read and score run where the cache lives; iSWA caches use the state engine)")

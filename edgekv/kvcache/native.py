@@ -35,6 +35,9 @@ _ERRORS = {
 }
 
 
+NATIVE_API = 3  # the patch set version (LLAMA_EDGEKV_API_VERSION) these bindings are written for
+
+
 class NativeUnsupported(EdgekvError):
     """The native ops cannot serve this context; the state engine can."""
 
@@ -46,7 +49,7 @@ def load() -> tuple[Any, Any] | None:
     except ImportError:
         return None
     try:
-        if mod.lib.llama_edgekv_api_version() < 2:
+        if mod.lib.llama_edgekv_api_version() < NATIVE_API:
             return None
     except AttributeError:
         return None
@@ -91,7 +94,7 @@ class NativeEngine:
         if self._portable.n_caches != 1:
             raise NativeUnsupported("native engine: iSWA caches (two caches per sequence) use the state engine")
         out = self.ffi.new("int32_t[5]")
-        rc = self.lib.llama_edgekv_kv_info(self._c, out, out + 1, out + 2, out + 3, out + 4)
+        rc = self.lib.llama_edgekv_cache_info(self._c, out, out + 1, out + 2, out + 3, out + 4)
         if rc != 0:
             raise NativeUnsupported(f"native engine: {_ERRORS.get(rc, rc)}")
         self.n_layer, n_head_kv, hk, hv, self.kv_size = (int(x) for x in out)
@@ -125,11 +128,11 @@ class NativeEngine:
 
     def cell_positions(self) -> np.ndarray:
         """Positions of the sequence's cells in cell order (the ordinals the C ops take)."""
-        n = self.lib.llama_edgekv_kv_cells(self._c, self.seq, self.ffi.NULL, 0)
+        n = self.lib.llama_edgekv_seq_cells(self._c, self.seq, self.ffi.NULL, 0)
         self._check(n, "cells")
         pos = np.empty(n, dtype=np.int32)
         if n:
-            self._check(self.lib.llama_edgekv_kv_cells(self._c, self.seq, self._i32(pos), n), "cells")
+            self._check(self.lib.llama_edgekv_seq_cells(self._c, self.seq, self._i32(pos), n), "cells")
         if n != self.n_cells:
             raise StateLayoutError(f"llama.cpp holds {n} cells for the sequence, the engine counted {self.n_cells}")
         return pos
@@ -192,7 +195,7 @@ class NativeEngine:
         new_tp = np.take_along_axis(self.tokens.full(pos, self.n_layer), keep, axis=2)
         cells = np.ascontiguousarray(order[keep], dtype=np.int32)
         b = keep.shape[2]
-        self._check(self.lib.llama_edgekv_kv_compact(self._c, self.seq, b, self._i32(cells), self._i32(new_pos)),
+        self._check(self.lib.llama_edgekv_seq_compact(self._c, self.seq, b, self._i32(cells), self._i32(new_pos)),
                     "compact")
         self.tokens.set(new_tp)
 
@@ -225,7 +228,7 @@ class NativeEngine:
         k = np.empty((self.n_kv_head, n, self.head_dim_k), np.float32)
         v = np.empty((self.n_kv_head, n, self.head_dim_v), np.float32)
         if n:
-            self._check(self.lib.llama_edgekv_kv_read(self._c, self.seq, layer, self._f32(k), self._f32(v), n), "read")
+            self._check(self.lib.llama_edgekv_seq_read(self._c, self.seq, layer, self._f32(k), self._f32(v), n), "read")
         if not cell_order and n:
             order = np.argsort(self.cell_positions(), kind="stable")
             k, v = k[:, order], v[:, order]
@@ -233,17 +236,17 @@ class NativeEngine:
 
     @property
     def bias_enabled(self) -> bool:
-        return bool(self.lib.llama_edgekv_kv_bias_enabled(self._c))
+        return bool(self.lib.llama_edgekv_bias_enabled(self._c))
 
     def bias_enable(self) -> None:
-        self._check(self.lib.llama_edgekv_kv_bias_enable(self._c), "bias_enable")
+        self._check(self.lib.llama_edgekv_bias_enable(self._c), "bias_enable")
 
     def bias_get(self, cell_order: bool = False) -> np.ndarray:
         """float32 [n_layer, n_kv_head, n_cells] log-count bias, position order unless ``cell_order``."""
         n = self.n_cells
         b = np.zeros((self.n_layer, self.n_kv_head, n), np.float32)
         if n:
-            self._check(self.lib.llama_edgekv_kv_bias_get(self._c, self.seq, self._f32(b), n), "bias_get")
+            self._check(self.lib.llama_edgekv_seq_bias_get(self._c, self.seq, self._f32(b), n), "bias_get")
             if not cell_order:
                 b = b[..., np.argsort(self.cell_positions(), kind="stable")]
         return b
@@ -253,7 +256,7 @@ class NativeEngine:
         if bias.shape != (self.n_layer, self.n_kv_head, self.n_cells):
             raise EdgekvError(f"bias must be [n_layer, n_kv_head, n_cells], got {bias.shape}")
         bias = np.ascontiguousarray(bias if cell_order else self._to_cells(bias))
-        self._check(self.lib.llama_edgekv_kv_bias_set(self._c, self.seq, self._f32(bias), self.n_cells), "bias_set")
+        self._check(self.lib.llama_edgekv_seq_bias_set(self._c, self.seq, self._f32(bias), self.n_cells), "bias_set")
 
     def merge(self, members: np.ndarray, weights: np.ndarray) -> None:
         """Average groups of cells per (layer, head) into each group's first member.
@@ -272,7 +275,7 @@ class NativeEngine:
         order = np.argsort(self.cell_positions(), kind="stable")
         cells = np.where(members >= 0, order[np.maximum(members, 0)], -1).astype(np.int32)
         g, m = members.shape[2:]
-        self._check(self.lib.llama_edgekv_kv_merge(self._c, self.seq, g, m, self._i32(np.ascontiguousarray(cells)),
+        self._check(self.lib.llama_edgekv_seq_merge(self._c, self.seq, g, m, self._i32(np.ascontiguousarray(cells)),
                                                    self._f32(np.ascontiguousarray(weights))), "merge")
 
     def score(self, q: np.ndarray, q_pos: np.ndarray, kq_scale: float | None = None) -> np.ndarray:
@@ -298,6 +301,6 @@ class NativeEngine:
         scale = float(kq_scale if kq_scale is not None else 1.0 / np.sqrt(d))
         n = self.n_cells
         out = np.empty((self.n_layer, self.n_kv_head, n), np.float32)
-        self._check(self.lib.llama_edgekv_kv_score(self._c, self.seq, n_head, n_q, self._f32(q), self._i32(q_pos),
+        self._check(self.lib.llama_edgekv_seq_score(self._c, self.seq, n_head, n_q, self._f32(q), self._i32(q_pos),
                                                    scale, self._f32(out), n), "score")
         return out[..., np.argsort(self.cell_positions(), kind="stable")]

@@ -37,6 +37,9 @@ class Method:
     summary: ClassVar[str] = ""
     compresses: ClassVar[bool] = True
     shifts_positions: ClassVar[bool] = False  # only llama.cpp's context shift
+    # engine capabilities the method needs ("merge", "score", "read", "bias"); the
+    # Session refuses the method on an engine that lacks one
+    needs: ClassVar[frozenset[str]] = frozenset()
 
     sinks: int = 4
     window: int = 32
