@@ -29,6 +29,7 @@ import gguf
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from .errors import EdgekvError, ModelError
+from .ggml_types import GGML_TYPES, GGMLType, row_size, type_by_name
 
 # Arrays up to this many elements are decoded (per-layer arrays, small lists);
 # longer ones (tokenizer vocab, merges, scores) are only skipped over.
@@ -72,19 +73,9 @@ _DEFAULT_SWA_PATTERN: dict[str, tuple[int, bool]] = {
 # GGUF omits the key (vendor/llama.cpp/src/models/gemma2.cpp).
 _DEFAULT_SLIDING_WINDOW: dict[str, int] = {"gemma2": 4096}
 
-# Cache types llama.cpp accepts for --cache-type-k / --cache-type-v
-# (common/arg.cpp kv_cache_types); byte sizes come from ggml via gguf.
-KV_CACHE_TYPES: dict[str, GGMLQuantizationType] = {
-    "f32": GGMLQuantizationType.F32,
-    "f16": GGMLQuantizationType.F16,
-    "bf16": GGMLQuantizationType.BF16,
-    "q8_0": GGMLQuantizationType.Q8_0,
-    "q4_0": GGMLQuantizationType.Q4_0,
-    "q4_1": GGMLQuantizationType.Q4_1,
-    "iq4_nl": GGMLQuantizationType.IQ4_NL,
-    "q5_0": GGMLQuantizationType.Q5_0,
-    "q5_1": GGMLQuantizationType.Q5_1,
-}
+# Cache types llama.cpp accepts for --cache-type-k / --cache-type-v (common/arg.cpp
+# kv_cache_types), with their ids and byte sizes: one table, in ggml_types.
+KV_CACHE_TYPES: dict[str, GGMLType] = {t.name: t for t in GGML_TYPES.values()}
 
 
 @dataclass(frozen=True)
@@ -484,26 +475,18 @@ def _file_type_name(ft: int) -> str | None:
     return name
 
 
-def _cache_type(name: str) -> GGMLQuantizationType:
-    t = KV_CACHE_TYPES.get(name.lower())
-    if t is None:
-        raise EdgekvError(
-            f"unknown KV cache type {name!r} (valid: {', '.join(KV_CACHE_TYPES)})"
-        )
-    return t
+def _cache_type(name: str) -> GGMLType:
+    return type_by_name(name)
 
 
-def _row_bytes(t: GGMLQuantizationType, n: int, what: str) -> int:
+def _row_bytes(t: GGMLType, n: int, what: str) -> int:
     """ggml_row_size: quantised rows must be a whole number of blocks."""
-    block, size = GGML_QUANT_SIZES[t]
-    if n % block:
-        raise EdgekvError(
-            f"{t.name.lower()} cache needs {what} rows in multiples of {block}; this model has {n}"
-        )
-    return n // block * size
+    if n % t.block_size:
+        raise EdgekvError(f"{t.name} cache needs {what} rows in multiples of {t.block_size}; this model has {n}")
+    return row_size(t.id, n)
 
 
-def _layer_row_bytes(info: ModelInfo, il: int, k: GGMLQuantizationType, v: GGMLQuantizationType) -> int:
+def _layer_row_bytes(info: ModelInfo, il: int, k: GGMLType, v: GGMLType) -> int:
     hk, hv = info.head_dims(il)
     nkv = info.n_head_kv_layers[il]
     if nkv == 0:

@@ -34,7 +34,7 @@ def test_patches_apply_in_order_to_the_pinned_source(tmp_path) -> None:
     assert "LLAMA_EDGEKV_API_VERSION 3" in header and "enum llama_edgekv_status" in header
     assert "llama_edgekv_seq_compact" in (vendor / "src" / "llama-edgekv.cpp").read_text()
     # one header, written by one patch
-    touching = [p.name for p in patches if "include/llama-edgekv.h" in p.read_text()]
+    touching = [p.name for p in patches if "+++ b/include/llama-edgekv.h" in p.read_text()]
     assert touching == ["0001-edgekv-api-entry-point.patch"]
     assert not list(vendor.rglob("*.rej"))
     readme = (ROOT / "ggml_patches" / "README.md").read_text()

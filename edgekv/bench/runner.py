@@ -30,7 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import EdgekvError
-from . import protocol, scoring, tasks
+from . import protocol as evaluation
+from . import scoring, tasks
 
 RESULTS_FILE = "results.jsonl"
 DEFAULT_RATIOS = (0.5, 0.75, 0.875, 0.9375)
@@ -172,9 +173,9 @@ def _prepare(model, task: str, length: int, grid: Grid, index: int, frame) -> Pr
     return Prepared(s, tasks.build_prompt(s, query_aware=grid.query_aware, frame=frame), None, None)
 
 
-def _run_oneshot(sess, prep: Prepared, method: str, ratio: float, pre: protocol.Prefill) -> dict:
+def _run_oneshot(sess, prep: Prepared, method: str, ratio: float, pre: evaluation.Prefill) -> dict:
     """The shared protocol (restore the prefilled context, compress once), then ask and score."""
-    compress_s = protocol.compress_once(sess, pre, method, ratio=ratio)
+    compress_s = evaluation.compress_once(sess, pre, method, ratio=ratio)
     cells = sess.engine.n_cells
     row = {"cells": cells, "kv_bytes": cells * sess.stats.kv_bytes_per_cell, "compress_s": round(compress_s, 4)}
     row.update(_answer(sess, prep))
@@ -366,7 +367,7 @@ def run_quality(grid: Grid, *, log: Callable[[str], None] | None = None) -> Path
                 rep.stage(f"{label} {ct} L={length} {task} #{i}: prefill", len(todo) + 1)
                 ctx_tokens = (prep.tokens[:-1] if task == "ppl"
                               else model.tokenize(prep.prompt.context, add_special=True))
-                pre = protocol.prefill(sess, ctx_tokens)
+                pre = evaluation.prefill(sess, ctx_tokens)
                 prefill_s, n_prompt = pre.seconds, pre.n_cells
                 rep.advance_stage()
                 summary = []
