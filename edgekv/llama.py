@@ -118,6 +118,19 @@ def cache_type_id(name: str) -> int:
     return type_by_name(name).id
 
 
+class _Owned:
+    """Frees its llama.cpp object when garbage-collected, if ``close`` was not called."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __del__(self) -> None:  # pragma: no cover - GC timing
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
 @dataclass(frozen=True)
 class Arch:
     """What the KV engine needs to know about a loaded model."""
@@ -136,7 +149,7 @@ class Arch:
     is_hybrid: bool
 
 
-class Model:
+class Model(_Owned):
     """A loaded GGUF model (weights) plus its vocabulary."""
 
     def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0) -> None:
@@ -248,12 +261,6 @@ class Model:
             lib().llama_model_free(self.ptr)
             self.ptr = None
 
-    def __del__(self) -> None:  # pragma: no cover - GC timing
-        try:
-            self.close()
-        except Exception:
-            pass
-
 
 def _rotation_from_log(log: str, arch: Arch) -> tuple[int, int]:
     """Hadamard block sizes llama.cpp uses for this context's K and V cache (0 = none).
@@ -308,7 +315,7 @@ def resolve_flash_attn(flash_attn: str, cache_type_v: str, n_gpu_layers: int) ->
     return "auto" if n_gpu_layers > 0 else "off"
 
 
-class Context:
+class Context(_Owned):
     """A llama.cpp context (KV cache + compute) for one model, one sequence (seq 0)."""
 
     def __init__(
@@ -456,12 +463,6 @@ class Context:
             L.llama_free(self.ptr)
             self.ptr = None
 
-    def __del__(self) -> None:  # pragma: no cover
-        try:
-            self.close()
-        except Exception:
-            pass
-
 
 @dataclass(frozen=True)
 class SamplerConfig:
@@ -472,7 +473,7 @@ class SamplerConfig:
     seed: int = 0
 
 
-class Sampler:
+class Sampler(_Owned):
     """llama.cpp's sampler chain for one configuration: greedy at temperature 0,
     else top-k, top-p, min-p, temperature and a seeded draw."""
 
@@ -498,9 +499,3 @@ class Sampler:
         if getattr(self, "ptr", None):
             lib().llama_sampler_free(self.ptr)
             self.ptr = None
-
-    def __del__(self) -> None:  # pragma: no cover
-        try:
-            self.close()
-        except Exception:
-            pass
