@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from _attention import captured_attention, reference_attention
-from test_engine import _prefill
+from _helpers import prefill
 
 from edgekv.capture import available as capture_available
 from edgekv.kvcache.native import NativeEngine
@@ -60,7 +60,7 @@ def test_attention_with_bias_equals_float64_reference(smollm2, path, ck, cv, fa,
     eng = NativeEngine(ctx)
     toks = smollm2.tokenize(TEXT)
     assert len(toks) >= n0 + n_q
-    _prefill(ctx, eng, toks[:n0])
+    prefill(eng, toks[:n0])
     eng.bias_enable()
     rng = np.random.default_rng(7)
     bias = rng.uniform(0.0, 4.0, (arch.n_layer, arch.n_head_kv, eng.n_cells)).astype(np.float32)

@@ -14,32 +14,13 @@ import contextlib
 import importlib
 import io
 import json
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-
-SCRIPT = Path(sys.executable).parent / "edgekv"
-CMD = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "edgekv.cli"]
-
-
-def run_cli(*args: str, stdin: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env.pop("EDGEKV_VERBOSE", None)  # llama.cpp's log would land on stderr
-    env.update(COLUMNS="200", NO_COLOR="1", TERM="dumb", PYTHONUNBUFFERED="1")
-    return subprocess.run(
-        [*CMD, *map(str, args)],
-        input=stdin if stdin is not None else "",
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        check=False,
-    )
+from _helpers import run_cli
 
 
 def assert_one_line_error(r: subprocess.CompletedProcess, *expect: str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _helpers import prefill
 
 from edgekv.errors import EdgekvError, StateLayoutError
 from edgekv.kvcache import CacheState, StateEngine, layout
@@ -23,12 +24,6 @@ def _ctx(model, ck: str, cv: str, fa: str, n_ctx: int = 512) -> tuple[Context, S
     return ctx, StateEngine(ctx)
 
 
-def _prefill(ctx: Context, eng: StateEngine, toks: list[int]) -> None:
-    eng.reset()
-    for i in range(0, len(toks), 128):
-        eng.decode(toks[i : i + 128], i)
-
-
 def _next_logits(ctx: Context, eng: StateEngine, tok: int) -> np.ndarray:
     eng.decode([tok], ctx.pos_max() + 1)
     return ctx.logits()
@@ -43,10 +38,10 @@ def toks(smollm2) -> list[int]:
 def test_untouched_roundtrip_and_keep_all_are_bit_identical(smollm2, toks, ck, cv, fa) -> None:
     ctx, eng = _ctx(smollm2, ck, cv, fa)
     body, last = toks[:-1], toks[-1]
-    _prefill(ctx, eng, body)
+    prefill(eng, body)
     ref = _next_logits(ctx, eng, last)
 
-    _prefill(ctx, eng, body)
+    prefill(eng, body)
     blob = ctx.state_get()
     st = layout.parse_seq_state(blob, n_caches=1, n_layers=[smollm2.arch.n_layer])
     assert st.sections[0].v_trans == (fa == "off")
@@ -55,7 +50,7 @@ def test_untouched_roundtrip_and_keep_all_are_bit_identical(smollm2, toks, ck, c
     ctx.state_set(rebuilt)
     assert np.array_equal(_next_logits(ctx, eng, last), ref)
 
-    _prefill(ctx, eng, body)
+    prefill(eng, body)
     n = eng.n_cells
     eng.compact(np.broadcast_to(np.arange(n), (smollm2.arch.n_layer, smollm2.arch.n_head_kv, n)))
     assert np.array_equal(_next_logits(ctx, eng, last), ref)
@@ -65,7 +60,7 @@ def test_untouched_roundtrip_and_keep_all_are_bit_identical(smollm2, toks, ck, c
 @pytest.mark.parametrize(("ck", "cv", "fa"), CONFIGS, ids=IDS)
 def test_compaction_invariants(smollm2, toks, ck, cv, fa) -> None:
     ctx, eng = _ctx(smollm2, ck, cv, fa)
-    _prefill(ctx, eng, toks)
+    prefill(eng, toks)
     n = eng.n_cells
     pos_max = ctx.pos_max()
     before = eng.snapshot()
@@ -102,7 +97,7 @@ def test_compaction_invariants(smollm2, toks, ck, cv, fa) -> None:
 
 def test_bad_keep_indices_are_refused_and_cache_kept(smollm2, toks) -> None:
     ctx, eng = _ctx(smollm2, "f16", "f16", "on")
-    _prefill(ctx, eng, toks[:100])
+    prefill(eng, toks[:100])
     blob = ctx.state_get()
     L, H = smollm2.arch.n_layer, smollm2.arch.n_head_kv
     bad = [
@@ -120,10 +115,10 @@ def test_bad_keep_indices_are_refused_and_cache_kept(smollm2, toks) -> None:
 
 def test_wrong_state_blobs_are_refused_without_loss(smollm2, toks) -> None:
     ctx, eng = _ctx(smollm2, "f16", "f16", "on")
-    _prefill(ctx, eng, toks[:100])
+    prefill(eng, toks[:100])
     good = eng.save()
     q8ctx, q8eng = _ctx(smollm2, "q8_0", "q8_0", "on")
-    _prefill(q8ctx, q8eng, toks[:100])
+    prefill(q8eng, toks[:100])
     other = q8eng.save()
     corrupt = [
         CacheState(blob=b"\x00" * 64, token_pos=good.token_pos, engine="state"),
@@ -151,7 +146,7 @@ def test_quantised_cache_snapshot_undoes_hadamard_rotation(smollm2, toks) -> Non
     for ct in ("f16", "q8_0"):
         ctx, eng = _ctx(smollm2, ct, ct, "on")
         assert (ctx.k_rot, ctx.v_rot) == ((64, 64) if ct == "q8_0" else (0, 0))
-        _prefill(ctx, eng, toks[:200])
+        prefill(eng, toks[:200])
         snaps[ct] = eng.snapshot()
         snaps[ct].keys(0), snaps[ct].values(0)
         ctx.close()

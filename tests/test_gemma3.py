@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 from _attention import captured_attention
-from test_engine import _prefill
+from _helpers import prefill
 
 from edgekv.bench.speed import long_text_tokens
 from edgekv.kvcache import StateEngine
@@ -34,7 +34,7 @@ def test_iswa_compaction_equals_llama_cpp_eviction(gemma3) -> None:
     ctx.capture.want("kqv_out", [5])
     eng = StateEngine(ctx)
     assert eng.n_caches == 2
-    _prefill(ctx, eng, toks[:n])
+    prefill(eng, toks[:n])
     saved = eng.save()
     # drop tokens 4..153: for queries at 700+ they are outside the 512-token window, so
     # the sliding-window layers (which llama.cpp's seq_rm edits too) attend alike
@@ -67,7 +67,7 @@ def test_iswa_per_head_compaction_keeps_the_sliding_window_cache(gemma3) -> None
     toks = long_text_tokens(gemma3, 600)
     ctx = Context(gemma3, n_ctx=1024, n_batch=128, flash_attn="off", n_threads=2)
     eng = StateEngine(ctx)
-    _prefill(ctx, eng, toks)
+    prefill(eng, toks)
     from edgekv.kvcache import layout
 
     before = layout.parse_seq_state(ctx.state_get(), n_caches=2, n_layers=None).sections[1]

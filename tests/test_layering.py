@@ -81,3 +81,12 @@ def test_no_outside_assignment_of_methods_monkeypatching_or_path_hacks() -> None
                 if fn.attr in ("insert", "append") and isinstance(fn.value, ast.Attribute) and \
                         fn.value.attr == "path" and isinstance(fn.value.value, ast.Name) and fn.value.value.id == "sys":
                     pytest.fail(f"{f.relative_to(ROOT)}:{node.lineno} edits sys.path")
+
+
+def test_test_modules_do_not_import_each_other() -> None:
+    # shared helpers live in tests/_helpers.py, _attention.py and _model_fixture.py
+    for f in sorted((ROOT / "tests").glob("test_*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom | ast.Import):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                assert not any(n.startswith("test_") for n in names), f"{f.name} imports {names}"

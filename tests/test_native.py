@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 from _attention import captured_attention, reference_attention
-from test_engine import _prefill
+from _helpers import prefill, run_cli
 
 from edgekv.errors import EdgekvError
 from edgekv.kvcache import CacheState, StateEngine, layout, native_available
@@ -56,7 +56,7 @@ def test_native_and_state_compaction_leave_identical_caches(smollm2, toks, ck, c
     for rounds in (1, 2):
         blobs, logits = [], []
         for eng in (state, native):
-            _prefill(ctx, eng, toks)
+            prefill(eng, toks)
             for r in range(rounds):  # a second compaction works on an already per-head cache
                 keep = _keep(np.random.default_rng(11 + r), L, H, eng.n_cells, eng.n_cells // 2)
                 eng.compact(keep)
@@ -72,7 +72,7 @@ def test_native_and_state_compaction_leave_identical_caches(smollm2, toks, ck, c
 def test_native_read_matches_state_snapshot(smollm2, toks, ck, cv, fa) -> None:
     ctx = _ctx(smollm2, ck, cv, fa)
     state, native = StateEngine(ctx), NativeEngine(ctx)
-    _prefill(ctx, native, toks)
+    prefill(native, toks)
     state.tokens = native.tokens  # one sequence, two engines reading it
     keep = _keep(np.random.default_rng(5), smollm2.arch.n_layer, smollm2.arch.n_head_kv, native.n_cells, 100)
     native.compact(keep)
@@ -87,7 +87,7 @@ def test_native_read_matches_state_snapshot(smollm2, toks, ck, cv, fa) -> None:
 def _duplicated(ctx: Context, eng: NativeEngine, toks: list[int], runs: dict[int, int]) -> tuple[bytes, np.ndarray]:
     """A cache where cell c is repeated runs[c] times (same K, V and position): the
     unmerged reference a merge of each run must reproduce."""
-    _prefill(ctx, eng, toks)
+    prefill(eng, toks)
     blob = ctx.state_get()
     st = layout.parse_seq_state(blob, n_caches=1, n_layers=None)
     sec = st.sections[0]
@@ -223,7 +223,7 @@ def test_device_scores_equal_host_reference(smollm2, toks, ck, cv, fa) -> None:
     arch = smollm2.arch
     L, H, d = arch.n_layer, arch.n_head_kv, arch.head_dim_k
     n_head = arch.n_head
-    _prefill(ctx, eng, toks[:300])
+    prefill(eng, toks[:300])
     eng.compact(_keep(np.random.default_rng(2), L, H, eng.n_cells, 160))
     rng = np.random.default_rng(9)
     bias = rng.uniform(0, 2, (L, H, eng.n_cells)).astype(np.float32)
@@ -252,7 +252,7 @@ def test_device_scores_equal_host_reference(smollm2, toks, ck, cv, fa) -> None:
 def test_bad_arguments_are_refused_and_cache_kept(smollm2, toks) -> None:
     ctx = _ctx(smollm2, "f16", "f16", "on")
     eng = NativeEngine(ctx)
-    _prefill(ctx, eng, toks[:100])
+    prefill(eng, toks[:100])
     before = ctx.state_get()
     L, H, n = smollm2.arch.n_layer, smollm2.arch.n_head_kv, eng.n_cells
     c = eng._c
@@ -291,8 +291,6 @@ def test_session_picks_native_and_matches_state_engine_output(smollm2_path) -> N
 
 
 def test_cli_reports_native_engine_and_refuses_unknown_engines(smollm2_path, tmp_path) -> None:
-    from test_cli import run_cli
-
     r = run_cli("info", smollm2_path)
     assert r.returncode == 0, r.stderr
     assert "engine: native" in r.stdout
@@ -311,7 +309,7 @@ def test_native_snapshot_refuses_to_read_a_changed_cache(smollm2, toks) -> None:
     # changes it must refuse rather than return another cache's rows
     ctx = _ctx(smollm2, "f16", "f16", "on")
     eng = NativeEngine(ctx)
-    _prefill(ctx, eng, toks[:100])
+    prefill(eng, toks[:100])
     snap = eng.snapshot()
     eng.decode([toks[100]], 100)
     with pytest.raises(EdgekvError, match="changed since this snapshot"):
