@@ -547,7 +547,7 @@ def _fmt_count(n: int) -> str:
     return str(n)
 
 
-def _kv_cell(info: ModelInfo, fn: Any) -> str:
+def _kv_cell(fn: Any) -> str:
     try:
         return str(fn())
     except EdgekvError:
@@ -585,7 +585,7 @@ def format_info(info: ModelInfo) -> str:
     per_tok = []
     at_ctx = []
     for ct in ("f16", "q8_0", "q4_0"):
-        b = _kv_cell(info, lambda ct=ct: kv_bytes_per_token(info, ct, ct))
+        b = _kv_cell(lambda ct=ct: kv_bytes_per_token(info, ct, ct))
         per_tok.append(f"{ct} {b} B" if b != "n/a" else f"{ct} n/a")
         try:
             full = kv_cache_bytes(info, info.n_ctx_train, ct, ct, swa_full=True)

@@ -262,7 +262,7 @@ class Model(_Owned):
             self.ptr = None
 
 
-def _rotation_from_log(log: str, arch: Arch) -> tuple[int, int]:
+def _rotation_from_log(log: str) -> tuple[int, int]:
     """Hadamard block sizes llama.cpp uses for this context's K and V cache (0 = none).
 
     Since 2026 llama.cpp rotates each head of a *quantised* K/V cache by an
@@ -374,7 +374,7 @@ class Context(_Owned):
         self.flash_attn = flash_attn  # as resolved; "auto" only where llama.cpp decides (GPU offload)
         self.flash_attn_requested = requested
         self._batch = L.llama_batch_init(self.n_batch, 0, 1)
-        self.k_rot, self.v_rot = _rotation_from_log(created_log, model.arch)
+        self.k_rot, self.v_rot = _rotation_from_log(created_log)
 
     # -- decoding -------------------------------------------------------------
     def decode(self, tokens: list[int], start_pos: int, *, all_logits: bool = False, seq: int = 0) -> None:

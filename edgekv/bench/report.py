@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from collections import defaultdict
 from pathlib import Path
@@ -84,11 +83,8 @@ def _fmt(v: float, digits: int = 1) -> str:
 def markdown(results_dir: Path) -> str:
     rows = load_rows(results_dir / RESULTS_FILE)
     out: list[str] = []
-    grid = {}
-    if (results_dir / "grid.json").is_file():
-        grid = json.loads((results_dir / "grid.json").read_text())
     if rows:
-        out += quality_markdown(Table(rows), grid)
+        out += quality_markdown(Table(rows))
     speed = load_rows(results_dir / SPEED_FILE)
     if speed:
         out += speed_markdown(speed)
@@ -97,7 +93,7 @@ def markdown(results_dir: Path) -> str:
     return "\n".join(out) + "\n"
 
 
-def quality_markdown(tab: Table, grid: dict) -> list[str]:
+def quality_markdown(tab: Table) -> list[str]:
     from .text import SOURCE
 
     tasks = tab.tasks()
