@@ -11,8 +11,9 @@ import ctypes
 import os
 import re
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -20,6 +21,9 @@ from .capture import Capture
 from .capture import available as capture_available
 from .errors import EdgekvError, ModelError
 from .ggml_types import type_by_name
+
+if TYPE_CHECKING:
+    from .gguf_info import ModelInfo
 
 # Populated lazily: importing llama_cpp loads libllama, which is slow-ish and
 # must not happen for `edgekv --help`.
@@ -174,6 +178,13 @@ class Model(_Owned):
             )
         if self.arch.rope_type in (8, 24, 40):  # M-RoPE / vision: cells carry 2D positions
             raise ModelError(f"{self.path.name}: M-RoPE ({self.arch.name}) KV caches are not supported yet")
+
+    @cached_property
+    def info(self) -> ModelInfo:
+        """What the GGUF header says (per-layer heads, KV bytes per cell), read once per model."""
+        from .gguf_info import read_model_info
+
+        return read_model_info(self.path)
 
     def meta(self, key: str) -> str | None:
         buf = ctypes.create_string_buffer(512)

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import BudgetError, EdgekvError
-from .gguf_info import kv_bytes_per_token, read_model_info
+from .gguf_info import kv_bytes_per_token
 from .kvcache import CacheState, make_engine
 from .kvcache.files import load_cache_file, save_cache_file
 from .llama import Context, Model, Sampler, SamplerConfig
@@ -101,7 +101,7 @@ class Session:
             n_threads=n_threads,
         )
         self.engine = make_engine(self.ctx, engine)
-        per_cell = kv_bytes_per_token(read_model_info(self.model.path), cache_type_k, cache_type_v)
+        per_cell = kv_bytes_per_token(self.model.info, cache_type_k, cache_type_v)
         self.stats = Stats(capacity=n_ctx, kv_bytes_per_cell=per_cell)
         self.n_past = 0  # next position to decode at (pos_max + 1)
         self._sampler: Sampler | None = None

@@ -26,7 +26,7 @@ VPY=.venv/bin/python
 "$VPY" native/build_llama.py --install
 "$VPY" -m pip install -q -e ".[dev]"
 # cffi bindings to the native ops, compiled against the patched libllama's header.
-"$VPY" native/build_native.py || echo "[setup] native bindings not built: edgekv will use the portable state engine"
+"$VPY" native/build_native.py || echo "[setup] some cffi bindings were not built (see the lines above); edgekv runs without them"
 # Real English text for the benchmark haystacks (Jane Austen, Debian's
 # r-cran-janeaustenr), unpacked into ~/.cache/edgekv/text without installing R.
 if ! .venv/bin/edgekv bench text >/dev/null 2>&1; then
