@@ -45,7 +45,8 @@ int32_t llama_edgekv_seq_bias_get(struct llama_context * ctx, llama_seq_id seq_i
 int32_t llama_edgekv_seq_bias_set(struct llama_context * ctx, llama_seq_id seq_id, const float * bias, int32_t n);
 int32_t llama_edgekv_seq_read(struct llama_context * ctx, llama_seq_id seq_id, int32_t il, float * k, float * v, int32_t n);
 int32_t llama_edgekv_seq_score(struct llama_context * ctx, llama_seq_id seq_id, int32_t n_head, int32_t n_q,
-                              const float * q, const llama_pos * q_pos, float kq_scale, float * out, int32_t n);
+                              const float * q, const llama_pos * q_pos, float kq_scale,
+                              const int32_t * layers, int32_t n_layers, float * out, int32_t n);
 """
 
 
@@ -102,7 +103,7 @@ def build() -> Path:
     return _compile(
         "_edgekv_native", CDEF,
         '#include "llama-edgekv.h"\n'
-        "#if LLAMA_EDGEKV_API_VERSION < 3\n#error edgekv needs patch set v3 or later\n#endif\n",
+        "#if LLAMA_EDGEKV_API_VERSION < 4\n#error edgekv needs patch set v4 or later\n#endif\n",
         ["llama"],
     )
 

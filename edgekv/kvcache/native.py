@@ -35,7 +35,7 @@ _ERRORS = {
 }
 
 
-NATIVE_API = 3  # the patch set version (LLAMA_EDGEKV_API_VERSION) these bindings are written for
+NATIVE_API = 4  # the patch set version (LLAMA_EDGEKV_API_VERSION) these bindings are written for
 
 
 class NativeUnsupported(EdgekvError):
@@ -278,14 +278,16 @@ class NativeEngine:
         self._check(self.lib.llama_edgekv_seq_merge(self._c, self.seq, g, m, self._i32(np.ascontiguousarray(cells)),
                                                    self._f32(np.ascontiguousarray(weights))), "merge")
 
-    def score(self, q: np.ndarray, q_pos: np.ndarray, kq_scale: float | None = None) -> np.ndarray:
+    def score(self, q: np.ndarray, q_pos: np.ndarray, kq_scale: float | None = None,
+              layers: list[int] | None = None) -> np.ndarray:
         """Observation-window attention on the device.
 
         ``q`` float [n_layer, n_head, n_q, head_dim_k]: post-RoPE queries as the model
         computes them (rotated here like the cache when llama.cpp rotates it);
         ``q_pos`` their positions. Returns float32 [n_layer, n_kv_head, n_cells] in
         position order: per KV head, the sum over window queries and the group's query
-        heads of softmax(kq_scale * q.k + bias), causal by position.
+        heads of softmax(kq_scale * q.k + bias), causal by position. Only ``layers``
+        (default: all) are scored; the rows of the others are NaN.
         """
         q = np.asarray(q, np.float32)
         n_layer, n_head, n_q, d = q.shape
@@ -300,7 +302,12 @@ class NativeEngine:
             raise EdgekvError("score: q_pos must hold one position per query")
         scale = float(kq_scale if kq_scale is not None else 1.0 / np.sqrt(d))
         n = self.n_cells
-        out = np.empty((self.n_layer, self.n_kv_head, n), np.float32)
+        out = np.full((self.n_layer, self.n_kv_head, n), np.nan, np.float32)
+        todo = np.arange(self.n_layer, dtype=np.int32) if layers is None else np.asarray(layers, np.int32)
+        if todo.size and (todo.min() < 0 or todo.max() >= self.n_layer):
+            raise EdgekvError(f"score: layers must be in 0..{self.n_layer - 1}")
+        todo = np.ascontiguousarray(todo)
         self._check(self.lib.llama_edgekv_seq_score(self._c, self.seq, n_head, n_q, self._f32(q), self._i32(q_pos),
-                                                   scale, self._f32(out), n), "score")
+                                                   scale, self._i32(todo), int(todo.size), self._f32(out), n),
+                    "score")
         return out[..., np.argsort(self.cell_positions(), kind="stable")]
