@@ -17,6 +17,7 @@ result against ``GGUFReader`` on a real model.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import struct
@@ -339,6 +340,9 @@ class ModelInfo:
     sliding_window: int  # 0 when the model has no sliding-window attention
     swa_layers: tuple[bool, ...] = field(default=())
     swa_pattern_source: str = "none"  # "gguf", "llama.cpp default (period N)", "none"
+    # the factor llama.cpp's attention multiplies q.k by (not always 1/sqrt(head_dim_k))
+    kq_scale: float = 0.0
+    attn_logit_softcap: float = 0.0  # Gemma 2's tanh soft-capping of the logits; 0: none
 
     @property
     def is_swa_model(self) -> bool:
@@ -455,7 +459,23 @@ def read_model_info(path: str | os.PathLike[str]) -> ModelInfo:
         sliding_window=sliding_window,
         swa_layers=swa_layers,
         swa_pattern_source=source,
+        kq_scale=_kq_scale(arch, key("attention.scale"), n_layer, n_embd, n_head, head_dim_k),
+        attn_logit_softcap=float(key("attn_logit_softcapping", 0.0) or 0.0),
     )
+
+
+def _kq_scale(arch: str, gguf_scale: Any, n_layer: int, n_embd: int, n_head: int, head_dim_k: int) -> float:
+    """The attention scale llama.cpp's graph for ``arch`` uses (src/models/*.cpp).
+
+    Gemma 3 27B (62 layers) scales by 1/sqrt(n_embd / n_head) instead of the head
+    size; the Granite family reads ``attention.scale`` from the GGUF (other
+    architectures ignore the key, so edgekv does too).
+    """
+    if arch == "gemma3" and n_layer == 62 and n_head:
+        return 1.0 / math.sqrt(n_embd / n_head)
+    if arch.startswith("granite") and isinstance(gguf_scale, (int, float)) and gguf_scale:
+        return float(gguf_scale)
+    return 1.0 / math.sqrt(head_dim_k) if head_dim_k else 0.0
 
 
 def _swa_pattern(n_layer: int, n_pattern: int, dense_first: bool) -> tuple[bool, ...]:

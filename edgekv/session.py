@@ -80,7 +80,11 @@ class Session:
         n_threads: int | None = None,
         engine: str = "auto",
         method_params: dict[str, object] | None = None,
+        observe: int = 0,
     ) -> None:
+        """``observe``: record the newest queries of that many tokens from the start, for
+        attention methods a later ``use`` switches to (a method given here records what
+        it needs by itself)."""
         self.model = model if isinstance(model, Model) else Model(model)
         method = method if isinstance(method, Method) else get_method(method, **(method_params or {}))
         if chunk < 1:
@@ -106,6 +110,8 @@ class Session:
         self.n_past = 0  # next position to decode at (pos_max + 1)
         self._sampler: Sampler | None = None
         self._has_logits = False
+        if observe:
+            self.engine.observe(observe)
         self.use(method, budget=budget, ratio=ratio)
 
     def use(self, method: str | Method, *, budget: int | None = None, ratio: float | None = None,
@@ -122,6 +128,9 @@ class Session:
                 "lacks (the native engine has it: a patched libllama and a model without sliding-window layers)"
             )
         _check_budget(method, budget, ratio, self.capacity)
+        window = self.engine.window
+        if method.queries_needed > (window.size if window is not None else 0):
+            self.engine.observe(method.queries_needed)  # records from the next decoded token on
         method.bind(budget, ratio)
         self.method = method
         self.budget = budget

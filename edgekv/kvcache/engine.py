@@ -26,6 +26,7 @@ import numpy as np
 from ..errors import EdgekvError
 from . import layout
 from .quant import dequantize
+from .queries import QueryWindow, window_attention
 
 
 @dataclass
@@ -54,6 +55,13 @@ class KVSnapshot:
     _v: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
     # the native engine reads one layer's K and V on demand, already in position order
     _read: Callable[[int], tuple[np.ndarray, np.ndarray]] | None = field(default=None, repr=False)
+    # the observation window (queries of the newest tokens) when the engine records one
+    queries: QueryWindow | None = None
+    kq_scale: float = 0.0
+    # the native engine scores on the device: (q, q_pos, layer) -> [n_kv_head, n]
+    _score: Callable[[np.ndarray, np.ndarray, int], np.ndarray] | None = field(default=None, repr=False)
+    _attn: dict[tuple[int, int], np.ndarray] = field(default_factory=dict, repr=False)
+    scored_layers: list[int] = field(default_factory=list, repr=False)  # in the order they were scored
 
     @property
     def n_cells(self) -> int:
@@ -63,9 +71,29 @@ class KVSnapshot:
     def n_layer(self) -> int:
         return int(self.token_pos.shape[0])
 
+    def window_attention(self, layer: int, n_queries: int) -> np.ndarray:
+        """float64 [n_kv_head, n_cells]: the attention the newest ``n_queries`` window
+        queries pay to each cell, summed over them and over each KV head's query heads
+        (``queries.window_attention``; on the device for the native engine). Computed
+        once per layer and kept; ``scored_layers`` records which layers paid for it."""
+        key = (layer, n_queries)
+        if key not in self._attn:
+            if self.queries is None:
+                raise EdgekvError("this method needs the observation window (queries), which the "
+                                  "engine is not recording")
+            q, q_pos = self.queries.last(n_queries)
+            if self._score is not None:
+                a = self._score(q, q_pos, layer)
+            else:
+                a = window_attention(q[layer], q_pos, self.keys(layer), self.pos, self.kq_scale)
+            self._attn[key] = np.asarray(a, np.float64)
+            self.scored_layers.append(layer)
+        return self._attn[key]
+
     @classmethod
     def from_arrays(cls, keys: list[np.ndarray], values: list[np.ndarray],
-                    token_pos: np.ndarray | None = None) -> KVSnapshot:
+                    token_pos: np.ndarray | None = None, queries: QueryWindow | None = None,
+                    kq_scale: float = 0.0) -> KVSnapshot:
         """A snapshot of given float K/V ([n, H, d] per layer), for tests,
         benchmarks and the papers' test vectors: methods cannot tell it from
         one read out of llama.cpp."""
@@ -76,7 +104,8 @@ class KVSnapshot:
         return cls(pos=np.arange(n, dtype=np.int32), token_pos=token_pos, n_kv_head=h, head_dim_k=dk,
                    head_dim_v=dv, _section=None, _order=None,
                    _k={i: np.asarray(k, np.float32) for i, k in enumerate(keys)},
-                   _v={i: np.asarray(v, np.float32) for i, v in enumerate(values)})
+                   _v={i: np.asarray(v, np.float32) for i, v in enumerate(values)},
+                   queries=queries, kq_scale=kq_scale or 1.0 / np.sqrt(dk))
 
     def keys(self, layer: int) -> np.ndarray:
         """float32 [n_cells, n_kv_head, head_dim_k] (post-RoPE, as cached)."""
@@ -127,12 +156,14 @@ class CacheState:
 
     ``bias`` is the native engine's log-count bias [n_layer, n_kv_head, n_cells]
     (position order) when merged cells exist; llama.cpp's blob does not carry it.
+    ``window`` is the observation window when the engine records one.
     """
 
     blob: bytes
     token_pos: np.ndarray
     engine: str
     bias: np.ndarray | None = None
+    window: QueryWindow | None = None
 
     @property
     def n_cells(self) -> int:
@@ -148,7 +179,8 @@ class KVEngine(Protocol):
     """
 
     name: str
-    capabilities: frozenset[str]  # of "merge", "score", "read", "bias"
+    capabilities: frozenset[str]  # of "merge", "score", "read", "bias", "queries"
+    window: QueryWindow | None  # the observation window, while ``observe`` keeps one
 
     @property
     def n_cells(self) -> int: ...
@@ -166,6 +198,8 @@ class KVEngine(Protocol):
     def reset(self) -> None: ...
 
     def shift(self, n_keep: int, n_discard: int) -> int: ...
+
+    def observe(self, size: int) -> None: ...
 
 
 @dataclass

@@ -3,12 +3,17 @@
 Like mlx-lm's ``save_prompt_cache`` / ``load_prompt_cache``: module functions
 beside the cache state. The header says what the cells were made with (model,
 cache types, positions); the caller checks it against the live session before
-anything touches the cache. Layout::
+anything touches the cache. Layout (version 2)::
 
     b"EDGEKV\\x00\\x01"  u32 header length  header (JSON)
     token map  int32 little-endian, header["token_pos_shape"]
     llama.cpp's sequence blob, header["blob_len"] bytes
-    log-count bias  float32 little-endian, header["bias_shape"] (merged cells only)
+    then each array of header["arrays"] in order, little-endian, as
+    {"name", "dtype" ("f4"/"i4"), "shape"}: "bias" (the log-count bias of merged
+    cells), "window_q" and "window_pos" (the observation window; its size and
+    layers in header["window"])
+
+Version 1 files (the bias only, as header["bias_shape"]) still load.
 """
 
 from __future__ import annotations
@@ -20,24 +25,38 @@ import numpy as np
 
 from ..errors import EdgekvError
 from .engine import CacheState
+from .queries import QueryWindow
 
 MAGIC = b"EDGEKV\x00\x01"
-VERSION = 1
+VERSION = 2
+
+
+def _arrays(state: CacheState) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    if state.bias is not None:
+        out["bias"] = state.bias.astype("<f4")
+    if state.window is not None:
+        out["window_q"] = state.window.q.astype("<f4")
+        out["window_pos"] = state.window.pos.astype("<i4")
+    return out
 
 
 def save_cache_file(path: str | Path, state: CacheState, header: dict) -> None:
     """Write atomically (a ``.part`` file renamed into place)."""
+    arrays = _arrays(state)
     header = {**header, "version": VERSION, "token_pos_shape": list(state.token_pos.shape),
               "blob_len": len(state.blob),
-              "bias_shape": list(state.bias.shape) if state.bias is not None else None}
+              "arrays": [{"name": k, "dtype": a.dtype.str[1:], "shape": list(a.shape)} for k, a in arrays.items()]}
+    if state.window is not None:
+        header["window"] = {"size": state.window.size, "layers": list(state.window.layers)}
     hb = json.dumps(header).encode()
     tmp = Path(str(path) + ".part")
     with open(tmp, "wb") as f:
         f.write(MAGIC + len(hb).to_bytes(4, "little") + hb)
         f.write(state.token_pos.astype("<i4").tobytes())
         f.write(state.blob)
-        if state.bias is not None:
-            f.write(state.bias.astype("<f4").tobytes())
+        for a in arrays.values():
+            f.write(a.tobytes())
     tmp.replace(path)
 
 
@@ -53,18 +72,38 @@ def load_cache_file(path: str | Path, engine: str) -> tuple[CacheState, dict]:
     try:
         hl = int.from_bytes(data[8:12], "little")
         header = json.loads(data[12 : 12 + hl])
-    except (ValueError, UnicodeDecodeError) as e:
+        version = header.get("version")
+        if version == 1:  # the bias was the only array
+            bs = header.get("bias_shape")
+            specs = [{"name": "bias", "dtype": "f4", "shape": bs}] if bs else []
+        elif version == VERSION:
+            specs = header["arrays"]
+        else:
+            raise EdgekvError(f"{path}: session file version {version} is not supported")
+        shape = tuple(header["token_pos_shape"])
+        sizes = [int(np.prod(s["shape"])) * 4 for s in specs]
+        if any(s["dtype"] not in ("f4", "i4") for s in specs):
+            raise ValueError("unknown array type")
+    except (ValueError, UnicodeDecodeError, KeyError, TypeError) as e:
         raise EdgekvError(f"{path}: session header is corrupt or truncated ({e})") from e
-    if header.get("version") != VERSION:
-        raise EdgekvError(f"{path}: session file version {header.get('version')} is not supported")
-    shape = tuple(header["token_pos_shape"])
     off = 12 + hl
     n_tp = int(np.prod(shape)) * 4
-    bias_shape = header.get("bias_shape")
-    n_bias = int(np.prod(bias_shape)) * 4 if bias_shape else 0
-    if len(data) != off + n_tp + header["blob_len"] + n_bias:
+    if len(data) != off + n_tp + header["blob_len"] + sum(sizes):
         raise EdgekvError(f"{path}: session file is truncated or has extra bytes")
     token_pos = np.frombuffer(data[off : off + n_tp], dtype="<i4").reshape(shape).astype(np.int32)
     end = off + n_tp + header["blob_len"]
-    bias = np.frombuffer(data[end:], dtype="<f4").reshape(bias_shape).astype(np.float32) if bias_shape else None
-    return CacheState(blob=data[off + n_tp : end], token_pos=token_pos, engine=engine, bias=bias), header
+    blob = data[off + n_tp : end]
+    arrays: dict[str, np.ndarray] = {}
+    for spec, size in zip(specs, sizes):
+        a = np.frombuffer(data[end : end + size], dtype="<" + spec["dtype"]).reshape(spec["shape"])
+        arrays[spec["name"]] = a.astype(np.float32 if spec["dtype"] == "f4" else np.int32)
+        end += size
+    window = None
+    if "window_q" in arrays:
+        w = header.get("window") or {}
+        q, pos = arrays["window_q"], arrays.get("window_pos")
+        if pos is None or q.ndim != 4 or q.shape[2] != pos.shape[0] or len(w.get("layers", ())) != q.shape[0]:
+            raise EdgekvError(f"{path}: the saved query window is inconsistent")
+        window = QueryWindow(int(w["size"]), tuple(int(x) for x in w["layers"]), q, pos)
+    state = CacheState(blob=blob, token_pos=token_pos, engine=engine, bias=arrays.get("bias"), window=window)
+    return state, header

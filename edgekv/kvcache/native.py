@@ -24,6 +24,7 @@ import numpy as np
 from ..errors import EdgekvError, StateLayoutError
 from ..llama import Context
 from .engine import CacheState, KVSnapshot, _unrotate, check_keep, compacted_positions, hadamard
+from .queries import QueryWindow
 from .state import StateEngine
 
 _ERRORS = {
@@ -76,7 +77,6 @@ class NativeEngine:
     """
 
     name = "native"
-    capabilities = frozenset({"merge", "score", "read", "bias"})
 
     def __init__(self, ctx: Context, seq: int = 0) -> None:
         m = load()
@@ -87,6 +87,7 @@ class NativeEngine:
         self.ctx = ctx
         self.seq = seq
         self._portable = StateEngine(ctx, seq)
+        self.capabilities = frozenset({"merge", "score", "read", "bias"}) | self._portable.capabilities
         self.tokens = self._portable.tokens
         self.n_kv_head = self._portable.n_kv_head
         self.head_dim_k = self._portable.head_dim_k
@@ -166,6 +167,13 @@ class NativeEngine:
         self._gen += 1
         return self._portable.shift(n_keep, n_discard)
 
+    def observe(self, size: int) -> None:
+        self._portable.observe(size)
+
+    @property
+    def window(self) -> QueryWindow | None:
+        return self._portable.window
+
     def _snapshot(self) -> KVSnapshot:
         pos_cells = self.cell_positions()
         order = np.argsort(pos_cells, kind="stable")
@@ -183,8 +191,15 @@ class NativeEngine:
             v = _unrotate(v[:, order].transpose(1, 0, 2).reshape(n, H * dv), v_rot).reshape(n, H, dv)
             return k, v
 
+        def score(q: np.ndarray, q_pos: np.ndarray, layer: int) -> np.ndarray:
+            if self._gen != gen:
+                raise EdgekvError("the cache changed since this snapshot was taken; take a new one")
+            return self.score(q, q_pos, kq_scale, layers=[layer])[layer]
+
+        kq_scale = self.ctx.model.info.kq_scale
         return KVSnapshot(pos=pos, token_pos=self.tokens.full(pos, self.n_layer), n_kv_head=H,
-                          head_dim_k=dk, head_dim_v=dv, _section=None, _order=order, _read=read)
+                          head_dim_k=dk, head_dim_v=dv, _section=None, _order=order, _read=read,
+                          queries=self.window, kq_scale=kq_scale, _score=score)
 
     def _compact(self, keep: np.ndarray) -> None:
         pos_cells = self.cell_positions()

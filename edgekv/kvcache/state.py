@@ -16,13 +16,13 @@ from ..llama import Context
 from . import layout
 from .engine import CacheState, KVSnapshot, TokenMap, check_keep, compacted_positions
 from .quant import row_size
+from .queries import QueryWindow
 
 
 class StateEngine:
     """KV engine over ``llama_state_seq_get_data`` / ``set_data`` (any stock libllama)."""
 
     name = "state"
-    capabilities: frozenset[str] = frozenset()
 
     def __init__(self, ctx: Context, seq: int = 0, tokens: TokenMap | None = None) -> None:
         arch = ctx.model.arch
@@ -37,6 +37,11 @@ class StateEngine:
         self.n_caches = 2 if arch.n_swa > 0 else 1
         # shared with the native engine when it uses this one as its fallback
         self.tokens = tokens if tokens is not None else TokenMap(self.n_kv_head)
+        # the layers a snapshot holds: all, or only the full-attention ones of an iSWA model
+        self.layers = ctx.model.info.global_layers if self.n_caches > 1 else tuple(range(arch.n_layer))
+        self.window: QueryWindow | None = None
+        # "queries": the context's tensor capture can record the observation window
+        self.capabilities = frozenset({"queries"}) if ctx.capture is not None else frozenset()
 
     # -- accounting ------------------------------------------------------------
     @property
@@ -47,6 +52,30 @@ class StateEngine:
         """Decode tokens at start_pos.. into the sequence and count the cells they take."""
         self.ctx.decode(tokens, start_pos, all_logits=all_logits, seq=self.seq)
         self.tokens.n_cells += len(tokens)
+        if self.window is not None:
+            self.window.record(self.ctx.capture, start_pos, len(tokens))
+
+    def observe(self, size: int) -> None:
+        """Keep the post-RoPE queries of the newest ``size`` decoded tokens (0: stop).
+
+        Only tokens decoded from now on are recorded; a larger window keeps what it has."""
+        if size <= 0:
+            if self.window is not None:
+                self.ctx.capture.want("Qcur", self.layers, on=False)
+            self.window = None
+            return
+        if "queries" not in self.capabilities:
+            raise EdgekvError("this context has no tensor capture to record queries "
+                              "(edgekv/_edgekv_capture*.so is not built: run native/build_native.py)")
+        if self.ctx.model.info.attn_logit_softcap:
+            raise EdgekvError("attention-scored methods do not model logit soft-capping "
+                              f"({self.ctx.model.info.arch}); use an attention-free method")
+        if self.window is None:
+            arch = self.ctx.model.arch
+            self.ctx.capture.want("Qcur", self.layers)
+            self.window = QueryWindow.empty(size, self.layers, arch.n_head, self.head_dim_k)
+        elif size != self.window.size:
+            self.window = self.window.resized(size)
 
     def shift(self, n_keep: int, n_discard: int) -> int:
         """llama.cpp's context shift on this sequence: drop cells n_keep..n_keep+n_discard-1
@@ -71,6 +100,8 @@ class StateEngine:
         """Empty the sequence (llama.cpp's cells and the token map)."""
         self.ctx.seq_rm(self.seq, -1, -1)
         self.tokens.reset()
+        if self.window is not None:
+            self.window.clear()
 
     # -- parsing ---------------------------------------------------------------
     def _parse(self) -> layout.SeqState:
@@ -117,6 +148,8 @@ class StateEngine:
             _order=order,
             _k_rot=self.ctx.k_rot,
             _v_rot=self.ctx.v_rot,
+            queries=self.window,
+            kq_scale=self.ctx.model.info.kq_scale,
         )
 
     # -- verbs -----------------------------------------------------------------
@@ -137,7 +170,8 @@ class StateEngine:
         st = layout.parse_seq_state(blob, n_caches=self.n_caches, n_layers=None)
         sec = st.sections[0]
         pos = np.sort(sec.pos)
-        return CacheState(blob=blob, token_pos=self.tokens.full(pos, len(sec.layers)), engine=self.name)
+        return CacheState(blob=blob, token_pos=self.tokens.full(pos, len(sec.layers)), engine=self.name,
+                          window=self.window.copy() if self.window is not None else None)
 
     def restore(self, state: CacheState) -> None:
         # Validate before handing llama.cpp anything: it would replace the
@@ -149,5 +183,10 @@ class StateEngine:
             raise StateLayoutError(
                 f"saved state holds {state.n_cells} cells, this context has {self.ctx.n_ctx}"
             )
+        if state.window is not None and state.window.layers != self.layers:
+            raise StateLayoutError("saved query window does not match this model's layers")
         self.ctx.state_set(state.blob, self.seq)
         self.tokens.set(state.token_pos)
+        if self.window is not None:  # an observing engine takes the saved queries (none: empty)
+            saved = state.window if state.window is not None else self.window.resized(0)
+            self.window = saved.resized(self.window.size)

@@ -10,15 +10,17 @@ import dataclasses
 
 from ..errors import EdgekvError
 from .base import Method, ScorerMethod
+from .chunkkv import ChunkKV
 from .context_shift import ContextShift
 from .full import Full
 from .knorm import Knorm
 from .lagkv import LagKV
 from .random import Random
+from .snapkv import SnapKV
 from .streaming_llm import StreamingLLM
 
 METHODS: dict[str, type[Method]] = {
-    cls.name: cls for cls in (Full, StreamingLLM, Knorm, Random, ContextShift, LagKV)
+    cls.name: cls for cls in (Full, StreamingLLM, Knorm, Random, ContextShift, LagKV, SnapKV, ChunkKV)
 }
 
 

@@ -37,8 +37,8 @@ class Method:
     summary: ClassVar[str] = ""
     compresses: ClassVar[bool] = True
     shifts_positions: ClassVar[bool] = False  # only llama.cpp's context shift
-    # engine capabilities the method needs ("merge", "score", "read", "bias"); the
-    # Session refuses the method on an engine that lacks one
+    # engine capabilities the method needs ("merge", "score", "read", "bias", "queries");
+    # the Session refuses the method on an engine that lacks one
     needs: ClassVar[frozenset[str]] = frozenset()
 
     sinks: int = 4
@@ -58,6 +58,12 @@ class Method:
         the method one-shot). True makes it compress with ``scheduled=True``;
         ``select`` may then keep everything (no event is recorded)."""
         return False
+
+    @property
+    def queries_needed(self) -> int:
+        """How many of the newest queries per layer the method reads (its observation
+        window); the Session has the engine record them. 0: none."""
+        return 0
 
     def params(self) -> dict[str, object]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -1,0 +1,111 @@
+"""The observation window: the newest queries, and the attention they pay to the cache.
+
+SnapKV, ChunkKV and their kin rank cached tokens by how much attention the
+newest queries give them. llama.cpp does not keep queries, so the engine asks
+the context's tensor capture (``edgekv/capture.py``) for every compressible
+layer's post-RoPE ``Qcur`` and keeps the newest ``size`` of them here after
+each decode. The window is part of the cache state: ``save()``/``restore()``
+and session files carry it, so a prefill saved once can be compressed by any
+attention method later.
+
+``window_attention`` is the score both engines must agree on, written once in
+numpy: per KV head, the sum over window queries and the query heads of its
+GQA group of softmax(kq_scale * q.k + bias), causal by cell position (a query
+at position p sees the cells at positions <= p, as llama.cpp's mask does). The
+native engine computes the same on the device (``NativeEngine.score``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from ..capture import Capture
+from ..errors import EdgekvError
+
+
+@dataclass
+class QueryWindow:
+    """Post-RoPE queries of the newest ``size`` decoded tokens, per compressible layer.
+
+    ``layers[i]`` is the model layer of row i (all layers, or Gemma 3's global
+    layers: the rows line up with a snapshot's layers). ``q`` is float32
+    [len(layers), n_head, n, head_dim_k], oldest first; ``pos`` their positions.
+    """
+
+    size: int
+    layers: tuple[int, ...]
+    q: np.ndarray
+    pos: np.ndarray
+
+    @classmethod
+    def empty(cls, size: int, layers: tuple[int, ...], n_head: int, head_dim: int) -> QueryWindow:
+        return cls(size, tuple(layers), np.zeros((len(layers), n_head, 0, head_dim), np.float32),
+                   np.zeros(0, np.int32))
+
+    @property
+    def n(self) -> int:
+        return int(self.pos.shape[0])
+
+    def record(self, capture: Capture, start_pos: int, n_tokens: int) -> None:
+        """Append what the last decode (``n_tokens`` at ``start_pos``..) computed."""
+        rows = []
+        for il in self.layers:
+            t = capture.get("Qcur", il)
+            if t is None or t.shape[1] != n_tokens:
+                raise EdgekvError(f"the query capture missed layer {il} of the last decode "
+                                  f"({'nothing' if t is None else t.shape[1]} of {n_tokens} tokens)")
+            rows.append(t[0].transpose(1, 0, 2))  # [n_tokens, n_head, d] -> [n_head, n_tokens, d]
+        keep = min(n_tokens, self.size)
+        new = np.stack(rows)[:, :, n_tokens - keep:]
+        pos = np.arange(start_pos + n_tokens - keep, start_pos + n_tokens, dtype=np.int32)
+        old = max(0, self.size - keep)
+        self.q = np.concatenate([self.q[:, :, self.n - min(old, self.n):], new], axis=2)
+        self.pos = np.concatenate([self.pos[self.n - min(old, self.n):], pos])
+
+    def clear(self) -> None:
+        self.q = self.q[:, :, :0]
+        self.pos = self.pos[:0]
+
+    def copy(self) -> QueryWindow:
+        return replace(self, q=self.q.copy(), pos=self.pos.copy())
+
+    def resized(self, size: int) -> QueryWindow:
+        """The same queries in a window of ``size`` (the newest ones if it shrinks)."""
+        k = min(size, self.n)
+        return QueryWindow(size, self.layers, self.q[:, :, self.n - k:].copy(), self.pos[self.n - k:].copy())
+
+    def last(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(q [rows, n_head, m, d], pos [m]) of the newest m = min(n, held) queries."""
+        if self.n == 0:
+            raise EdgekvError("no queries were recorded: the method needs the observation window "
+                              "from the tokens it compresses (observe before decoding them)")
+        m = min(n, self.n)
+        return self.q[:, :, self.n - m:], self.pos[self.n - m:]
+
+
+def window_attention(q: np.ndarray, q_pos: np.ndarray, k: np.ndarray, k_pos: np.ndarray, kq_scale: float,
+                     bias: np.ndarray | None = None) -> np.ndarray:
+    """float64 [n_kv_head, n]: attention of the window queries to each cached key.
+
+    ``q`` [n_head, n_q, d] (one layer), ``k`` [n, n_kv_head, d], ``bias`` [n_kv_head, n]
+    (the merge's log-count bias) or None. Query head ``qh`` reads KV head
+    ``qh // (n_head / n_kv_head)``; every query's softmax row sums to 1 over the
+    cells it sees, and a KV head's score sums its group's rows.
+    """
+    n_head, n_q, d = q.shape
+    n, n_kv, _ = k.shape
+    if n_head % n_kv:
+        raise EdgekvError(f"{n_head} query heads do not split into {n_kv} KV heads")
+    group = n_head // n_kv
+    qg = q.reshape(n_kv, group * n_q, d).astype(np.float32)
+    logits = np.einsum("hqd,nhd->hqn", qg, k.astype(np.float32), optimize=True).astype(np.float64) * kq_scale
+    if bias is not None:
+        logits += bias[:, None, :]
+    hidden = np.tile(k_pos[None, :] > q_pos[:, None], (group, 1))  # [group*n_q, n]
+    logits[:, hidden] = -np.inf
+    logits -= logits.max(axis=2, keepdims=True)
+    p = np.exp(logits)
+    p /= p.sum(axis=2, keepdims=True)
+    return p.sum(axis=1)

@@ -1,0 +1,57 @@
+"""SnapKV ("SnapKV: LLM Knows What You are Looking for Before Generation",
+arXiv:2404.14469; notes in docs/methods.md).
+
+The newest ``window`` queries (the observation window) vote for the cached
+keys they attend to: per KV head, the softmax attention of every window query
+and every query head of the GQA group, averaged over the window's queries and
+the group, smoothed by an average pool of ``kernel`` cells (zero padding,
+stride 1), over the cells before the window. The window itself is always kept.
+Defaults as kvpress 0.5's ``SnapKVPress`` (window 64, kernel 5, no sinks), so
+the kept sets can be compared; the paper pools with max over a kernel of 7 and
+a window of 32 (its code), and selects per query head, which a GQA cache
+cannot store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..kvcache.engine import KVSnapshot
+from .base import ScorerMethod
+
+
+def avg_pool(x: np.ndarray, kernel: int) -> np.ndarray:
+    """Mean over ``kernel`` neighbours along the last axis, zeros beyond the edges
+    (torch's avg_pool1d with padding kernel // 2, stride 1, count_include_pad)."""
+    if kernel <= 1 or x.shape[-1] == 0:
+        return x
+    pad = kernel // 2
+    c = np.cumsum(np.pad(x, [(0, 0)] * (x.ndim - 1) + [(pad + 1, pad)]), axis=-1)
+    n = x.shape[-1] + 2 * pad - kernel + 1
+    return (c[..., kernel : kernel + n] - c[..., :n]) / kernel
+
+
+@dataclass
+class SnapKV(ScorerMethod):
+    """Keep the cells the observation window attends to most, per (layer, KV head)."""
+
+    name = "snapkv"
+    summary = "keep what the newest queries attend to, pooled (Li et al. 2024)"
+    needs = frozenset({"queries"})
+
+    sinks: int = 0
+    window: int = 64
+    kernel: int = 5
+
+    @property
+    def queries_needed(self) -> int:
+        return self.window
+
+    def score(self, snap: KVSnapshot, layer: int) -> np.ndarray:
+        n = snap.n_cells
+        w = min(self.window, n)
+        a = snap.window_attention(layer, self.window)[:, : n - w]
+        s = avg_pool(a, self.kernel)
+        return np.concatenate([s, np.full((snap.n_kv_head, w), np.inf)], axis=1)
