@@ -107,6 +107,9 @@ def _parse_params(items: list[str] | None) -> dict[str, object]:
             raise EdgekvError(f"--param takes NAME=VALUE, got {item!r}")
         k, v = item.split("=", 1)
         val: object
+        if v.lower() in ("true", "false"):
+            out[k.strip()] = v.lower() == "true"
+            continue
         try:
             val = int(v)
         except ValueError:

@@ -8,6 +8,7 @@ import pytest
 
 from edgekv.errors import BudgetError, EdgekvError
 from edgekv.kvcache.engine import KVSnapshot, check_keep
+from edgekv.kvcache.queries import QueryWindow
 from edgekv.methods import METHODS, get_method
 
 L, H, N, D = 3, 2, 200, 16
@@ -18,11 +19,14 @@ def snapshot(seed: int = 0, n: int = N, token_pos: np.ndarray | None = None) -> 
     keys = [rng.standard_normal((n, H, D)).astype(np.float32) * rng.uniform(0.5, 2, (n, H, 1))
             for _ in range(L)]
     values = [rng.standard_normal((n, H, D)).astype(np.float32) for _ in range(L)]
-    return KVSnapshot.from_arrays(keys, values, token_pos)
+    # an observation window for the attention methods: 64 queries (2 per KV head) at the end
+    q = rng.standard_normal((L, 2 * H, 64, D)).astype(np.float32)
+    win = QueryWindow(64, tuple(range(L)), q, np.arange(n - 64, n, dtype=np.int32))
+    return KVSnapshot.from_arrays(keys, values, token_pos, queries=win)
 
 
 @pytest.mark.parametrize("name", list(METHODS))
-@pytest.mark.parametrize("budget", [60, 120, 199])
+@pytest.mark.parametrize("budget", [80, 120, 199])
 def test_selection_contract(name: str, budget: int) -> None:
     """Valid indices for the engines, protected cells kept, reproducible."""
     m = get_method(name)

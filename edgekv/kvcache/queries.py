@@ -17,72 +17,93 @@ native engine computes the same on the device (``NativeEngine.score``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-
 import numpy as np
 
 from ..capture import Capture
 from ..errors import EdgekvError
 
 
-@dataclass
 class QueryWindow:
     """Post-RoPE queries of the newest ``size`` decoded tokens, per compressible layer.
 
     ``layers[i]`` is the model layer of row i (all layers, or Gemma 3's global
     layers: the rows line up with a snapshot's layers). ``q`` is float32
     [len(layers), n_head, n, head_dim_k], oldest first; ``pos`` their positions.
+    Stored as a ring, so recording one decoded token writes one column instead
+    of moving the whole window.
     """
 
-    size: int
-    layers: tuple[int, ...]
-    q: np.ndarray
-    pos: np.ndarray
+    def __init__(self, size: int, layers: tuple[int, ...], q: np.ndarray, pos: np.ndarray) -> None:
+        if size < 1:
+            raise EdgekvError(f"a query window holds at least one query, got size {size}")
+        q = np.asarray(q, np.float32)
+        pos = np.asarray(pos, np.int32)
+        self.size = int(size)
+        self.layers = tuple(int(x) for x in layers)
+        k = min(self.size, pos.shape[0])
+        self._q = np.zeros(q.shape[:2] + (self.size,) + q.shape[3:], np.float32)
+        self._pos = np.zeros(self.size, np.int32)
+        self._q[:, :, :k] = q[:, :, q.shape[2] - k:]
+        self._pos[:k] = pos[pos.shape[0] - k:]
+        self._next = k % self.size  # the ring slot the next query goes to
+        self._count = k
 
     @classmethod
     def empty(cls, size: int, layers: tuple[int, ...], n_head: int, head_dim: int) -> QueryWindow:
-        return cls(size, tuple(layers), np.zeros((len(layers), n_head, 0, head_dim), np.float32),
-                   np.zeros(0, np.int32))
+        return cls(size, layers, np.zeros((len(layers), n_head, 0, head_dim), np.float32), np.zeros(0, np.int32))
 
     @property
     def n(self) -> int:
-        return int(self.pos.shape[0])
+        return self._count
+
+    @property
+    def n_head(self) -> int:
+        return int(self._q.shape[1])
+
+    def _order(self) -> np.ndarray:
+        return (self._next - self._count + np.arange(self._count)) % self.size
+
+    @property
+    def q(self) -> np.ndarray:
+        return self._q[:, :, self._order()]
+
+    @property
+    def pos(self) -> np.ndarray:
+        return self._pos[self._order()]
 
     def record(self, capture: Capture, start_pos: int, n_tokens: int) -> None:
         """Append what the last decode (``n_tokens`` at ``start_pos``..) computed."""
-        rows = []
-        for il in self.layers:
+        keep = min(n_tokens, self.size)
+        slots = (self._next + np.arange(keep)) % self.size
+        for row, il in enumerate(self.layers):
             t = capture.get("Qcur", il)
             if t is None or t.shape[1] != n_tokens:
                 raise EdgekvError(f"the query capture missed layer {il} of the last decode "
                                   f"({'nothing' if t is None else t.shape[1]} of {n_tokens} tokens)")
-            rows.append(t[0].transpose(1, 0, 2))  # [n_tokens, n_head, d] -> [n_head, n_tokens, d]
-        keep = min(n_tokens, self.size)
-        new = np.stack(rows)[:, :, n_tokens - keep:]
-        pos = np.arange(start_pos + n_tokens - keep, start_pos + n_tokens, dtype=np.int32)
-        old = max(0, self.size - keep)
-        self.q = np.concatenate([self.q[:, :, self.n - min(old, self.n):], new], axis=2)
-        self.pos = np.concatenate([self.pos[self.n - min(old, self.n):], pos])
+            # [1, n_tokens, n_head, d] -> the newest ``keep`` as [n_head, keep, d]
+            self._q[row][:, slots] = t[0, n_tokens - keep:].transpose(1, 0, 2)
+        self._pos[slots] = np.arange(start_pos + n_tokens - keep, start_pos + n_tokens, dtype=np.int32)
+        self._next = int((self._next + keep) % self.size)
+        self._count = min(self.size, self._count + keep)
 
     def clear(self) -> None:
-        self.q = self.q[:, :, :0]
-        self.pos = self.pos[:0]
+        self._next = self._count = 0
 
     def copy(self) -> QueryWindow:
-        return replace(self, q=self.q.copy(), pos=self.pos.copy())
+        return self.resized(self.size)
 
     def resized(self, size: int) -> QueryWindow:
         """The same queries in a window of ``size`` (the newest ones if it shrinks)."""
-        k = min(size, self.n)
-        return QueryWindow(size, self.layers, self.q[:, :, self.n - k:].copy(), self.pos[self.n - k:].copy())
+        return QueryWindow(size, self.layers, self.q, self.pos)
 
     def last(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """(q [rows, n_head, m, d], pos [m]) of the newest m = min(n, held) queries."""
-        if self.n == 0:
+        if self._count == 0:
             raise EdgekvError("no queries were recorded: the method needs the observation window "
                               "from the tokens it compresses (observe before decoding them)")
-        m = min(n, self.n)
-        return self.q[:, :, self.n - m:], self.pos[self.n - m:]
+        m = min(n, self._count)
+        order = self._order()[self._count - m:]
+        return self._q[:, :, order], self._pos[order]
 
 
 def window_attention(q: np.ndarray, q_pos: np.ndarray, k: np.ndarray, k_pos: np.ndarray, kq_scale: float,

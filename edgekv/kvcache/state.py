@@ -188,5 +188,6 @@ class StateEngine:
         self.ctx.state_set(state.blob, self.seq)
         self.tokens.set(state.token_pos)
         if self.window is not None:  # an observing engine takes the saved queries (none: empty)
-            saved = state.window if state.window is not None else self.window.resized(0)
-            self.window = saved.resized(self.window.size)
+            w = self.window
+            self.window = (state.window.resized(w.size) if state.window is not None
+                           else QueryWindow.empty(w.size, w.layers, w.n_head, self.head_dim_k))

@@ -1,0 +1,137 @@
+"""The observation window and the attention it pays, on the real model and cache.
+
+Window attention (what SnapKV, ChunkKV and H2O rank cells by) must be the same
+number whichever engine computes it: the state engine in numpy over the
+snapshot's dequantised keys, the native engine on the device over the cache's
+own (quantised, Hadamard-rotated) rows. Both are checked against a float64
+loop over the captured queries and the cached keys, on f16 and q8_0 caches,
+with flash attention on and off (the capture must see the same queries
+either way), on SmolLM2 (GQA: 9 query heads on 3 KV heads) and on Gemma 3's
+iSWA cache (global layers only). The window is cache state: it survives
+save/restore and session files.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _helpers import prefill
+
+from edgekv import Session
+from edgekv.errors import EdgekvError
+from edgekv.kvcache import make_engine
+from edgekv.llama import Context
+
+TEXT = ("The lighthouse keeper wrote down every ship that passed, its flag, its cargo and the hour. "
+        "On stormy nights the entries grew short. ") * 20
+W = 24
+
+
+def reference(q: np.ndarray, q_pos: np.ndarray, k: np.ndarray, k_pos: np.ndarray, scale: float) -> np.ndarray:
+    """float64 loop: per KV head, sum over its query heads and the queries of the softmax row."""
+    n_head, n_q, _ = q.shape
+    n, H, _ = k.shape
+    g = n_head // H
+    out = np.zeros((H, n))
+    for qh in range(n_head):
+        h = qh // g
+        for t in range(n_q):
+            logit = scale * (k[:, h].astype(np.float64) @ q[qh, t].astype(np.float64))
+            logit[k_pos > q_pos[t]] = -np.inf
+            p = np.exp(logit - logit.max())
+            out[h] += p / p.sum()
+    return out
+
+
+CASES = [("state", "f16", "off"), ("state", "q8_0", "on"), ("native", "f16", "off"), ("native", "f16", "on"),
+         ("native", "q8_0", "on")]
+
+
+@pytest.mark.parametrize(("engine", "ct", "fa"), CASES, ids=[f"{e}-{c}-fa_{f}" for e, c, f in CASES])
+def test_window_attention_equals_float64_from_captured_queries(smollm2, engine, ct, fa) -> None:
+    ctx = Context(smollm2, n_ctx=512, n_batch=128, cache_type_k=ct, cache_type_v=ct, flash_attn=fa, n_threads=2)
+    eng = make_engine(ctx, engine)
+    assert eng.name == engine
+    eng.observe(W)
+    toks = smollm2.tokenize(TEXT, add_special=True)[:300]
+    prefill(eng, toks)  # 128 + 128 + 44: the window spans the last two decodes
+    snap = eng.snapshot()
+    q, q_pos = snap.queries.last(W)
+    assert q.shape == (smollm2.arch.n_layer, smollm2.arch.n_head, W, smollm2.arch.head_dim_k)
+    assert np.array_equal(q_pos, np.arange(len(toks) - W, len(toks)))
+    for layer in (0, 7, 29):
+        ref = reference(q[layer], q_pos, snap.keys(layer), snap.pos, 1 / np.sqrt(smollm2.arch.head_dim_k))
+        got = snap.window_attention(layer, W)
+        assert got.shape == ref.shape
+        assert np.allclose(got.sum(axis=1).sum(), W * smollm2.arch.n_head)  # every query row sums to 1
+        assert np.abs(got - ref).max() < 1e-4, layer
+    # fewer queries than recorded: the newest ones
+    ref = reference(q[3][:, -5:], q_pos[-5:], snap.keys(3), snap.pos, 1 / np.sqrt(smollm2.arch.head_dim_k))
+    assert np.abs(snap.window_attention(3, 5) - ref).max() < 1e-4
+    ctx.close()
+
+
+def test_native_score_op_scores_only_the_layers_it_is_given(smollm2) -> None:
+    ctx = Context(smollm2, n_ctx=256, n_batch=128, n_threads=2)
+    eng = make_engine(ctx, "native")
+    eng.observe(8)
+    prefill(eng, smollm2.tokenize(TEXT, add_special=True)[:160])
+    q, q_pos = eng.window.last(8)
+    some = eng.score(q, q_pos, layers=[2, 5])
+    every = eng.score(q, q_pos)
+    scored = ~np.isnan(some).all(axis=(1, 2))
+    assert np.flatnonzero(scored).tolist() == [2, 5]
+    assert np.array_equal(some[[2, 5]], every[[2, 5]])
+    with pytest.raises(EdgekvError, match="layers must be in"):
+        eng.score(q, q_pos, layers=[30])
+    ctx.close()
+
+
+def test_gemma3_window_attention_on_the_global_layers(gemma3) -> None:
+    """iSWA: the snapshot holds the full-attention layers only; the window's rows follow them."""
+    info = gemma3.info
+    ctx = Context(gemma3, n_ctx=512, n_batch=128, n_threads=2)
+    eng = make_engine(ctx, "auto")
+    assert eng.name == "state"
+    eng.observe(W)
+    toks = gemma3.tokenize(TEXT, add_special=True)[:300]
+    prefill(eng, toks)
+    snap = eng.snapshot()
+    assert eng.window.layers == info.global_layers
+    q, q_pos = snap.queries.last(W)
+    assert q.shape[:2] == (len(info.global_layers), info.n_head)
+    for row in range(snap.n_layer):
+        ref = reference(q[row], q_pos, snap.keys(row), snap.pos, info.kq_scale)
+        assert np.abs(snap.window_attention(row, W) - ref).max() < 1e-4
+    ctx.close()
+
+
+@pytest.mark.parametrize("engine", ["state", "native"])
+def test_window_survives_save_restore_and_session_files(smollm2, tmp_path, engine) -> None:
+    toks = smollm2.tokenize(TEXT, add_special=True)[:200]
+    with Session(smollm2, method="snapkv", budget=150, n_ctx=400, engine=engine) as s:
+        assert s.engine.window.size == 64
+        s.feed(toks)
+        q0, p0 = s.engine.window.q.copy(), s.engine.window.pos.copy()
+        assert np.array_equal(p0, np.arange(200 - 64, 200))
+        saved = s.save()
+        s.feed(toks[:10])
+        assert s.engine.window.pos[-1] == 209
+        s.restore(saved)
+        assert np.array_equal(s.engine.window.q, q0) and np.array_equal(s.engine.window.pos, p0)
+        s.save_file(tmp_path / "w.ekv")
+        s.reset()
+        assert s.engine.window.n == 0
+    with Session(smollm2, method="snapkv", budget=150, n_ctx=400, engine=engine) as s2:
+        s2.load_file(tmp_path / "w.ekv")
+        assert np.array_equal(s2.engine.window.q, q0) and np.array_equal(s2.engine.window.pos, p0)
+        s2.compress()
+        assert s2.engine.n_cells == 150
+
+
+def test_attention_method_without_recorded_queries_is_a_clear_error(smollm2) -> None:
+    with Session(smollm2, method="full", n_ctx=300) as s:
+        s.feed(smollm2.tokenize(TEXT, add_special=True)[:200])
+        s.use("snapkv", budget=150)  # starts recording now: the prefill has no queries
+        with pytest.raises(EdgekvError, match="no queries were recorded"):
+            s.compress()
