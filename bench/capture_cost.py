@@ -59,6 +59,11 @@ def main() -> None:
                    "decode_tok_s": round(statistics.median(x[1] for x in v), 1),
                    "runs": [[round(p, 1), round(d, 1)] for p, d in v]}
             for mode, v in runs.items()}
+    # the machine's speed drifts between rounds: compare each mode with "off" of the same round
+    for mode in ("idle", "recording"):
+        for j, what in enumerate(("prefill", "decode")):
+            ratios = [x[j] / o[j] for x, o in zip(runs[mode], runs["off"])]
+            rows[mode][f"{what}_vs_off"] = round(statistics.median(ratios), 3)
     for mode in modes:
         print(mode, rows[mode])
     print(f"wrote {write_json('capture_cost', {'machine': machine(), 'rounds': a.rounds, 'rows': rows})}")

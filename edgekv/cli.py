@@ -276,6 +276,7 @@ def generate(
     model: ModelArg = None,
     prompt_file: Annotated[Path | None, typer.Option("--prompt-file", "-f", help="Read the prompt from this file ('-' = stdin).")] = None,
     prompt: Annotated[str | None, typer.Option("--prompt", help="Prompt text.")] = None,
+    question: Annotated[str | None, typer.Option("--question", "-q", help="Ask this about the prompt, query-aware: it is appended to the prompt and compressed with it (attention methods see it in their observation window), and the cache is brought down to the budget once more before the answer.")] = None,
     method: MethodOpt = "streaming_llm",
     budget: BudgetOpt = None,
     ratio: RatioOpt = None,
@@ -315,6 +316,10 @@ def generate(
             text = prompt or ""
         if not text.strip():
             raise EdgekvError("the prompt is empty")
+        if question is not None:
+            if not question.strip():
+                raise EdgekvError("the question is empty")
+            text = f"{text.rstrip()}\n\n{question.strip()}"
         sess = _session(model, method, budget, ratio, n_ctx, cache_type_k, cache_type_v, flash_attn, threads, param,
                         engine=engine)
         if chat_template:
@@ -322,6 +327,8 @@ def generate(
         prog, cb = _progress_bar("prefill")
         with prog:
             sess.feed_text(text, add_special=True, progress=cb)
+        if question is not None and sess.method.compresses:
+            sess.compress()  # the question is in the cache now: the compression can see it
         for piece in sess.generate(max_tokens, SamplerConfig(temperature=temperature, seed=seed)):
             sys.stdout.write(piece)
             sys.stdout.flush()

@@ -143,7 +143,9 @@ def test_query_aware_and_chat_prompts() -> None:
     agn = tasks.build_prompt(s)
     aware = tasks.build_prompt(s, query_aware=True)
     assert s.question not in agn.context and s.question in agn.query
-    assert aware.context.startswith(s.question) and aware.query == agn.query
+    # query-aware: the question ends the compressed context, only the answer prefix follows
+    assert aware.context.endswith(s.question) and s.question not in aware.query
+    assert aware.context.startswith(agn.context) and aware.query.endswith(s.answer_prefix)
     chat = tasks.build_prompt(s, frame=("<user>", "</user><assistant>"))
     assert chat.context.startswith("<user>") and chat.query.endswith("</user><assistant>" + s.answer_prefix)
 

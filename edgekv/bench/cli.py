@@ -82,7 +82,7 @@ def quality(
     flash_attn: Annotated[str, typer.Option("--flash-attn", "-fa", help=FaHelp)] = "auto",
     out: OutOpt = DEFAULT_OUT,
     seed: Annotated[int, typer.Option(help="Seed of the task generators.")] = 0,
-    query_aware: Annotated[bool, typer.Option("--query-aware/--query-agnostic", help="Also put the question before the context, inside the compressed part.")] = False,
+    query_aware: Annotated[bool, typer.Option("--query-aware/--query-agnostic", help="Put the question at the end of the compressed context (attention methods see it) instead of after the compression.")] = False,
     chat: Annotated[bool, typer.Option("--chat/--raw", help="Wrap the prompt in the model's chat template.")] = True,
     n_ppl: Annotated[int | None, typer.Option("--n-ppl", help="Samples of the ppl task (default: --n).")] = None,
     n_shift: Annotated[int, typer.Option("--n-shift", help="Samples per task for llama.cpp's context shift, which needs its own prefill per ratio (0 = all --n).")] = 2,

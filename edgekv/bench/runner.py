@@ -4,7 +4,8 @@ Protocol (query-agnostic, the default; kvpress's "compress once, ask later"):
 prefill the context, compress the cache to ``(1 - ratio)`` of its cells, then
 feed the question and decode greedily. Each sample is prefilled once; the
 sequence is saved and restored for every (method, ratio). ``query_aware``
-states the question before the context too, inside the compressed part.
+ends the compressed context with the question (attention methods see it in
+their observation window) and feeds only the answer prefix after.
 
 Methods that move positions (llama.cpp's context shift) cannot start from a
 full prefill: they run as llama.cpp would, in a context of ``n_ctx`` = the

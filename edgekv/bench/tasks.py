@@ -355,11 +355,14 @@ def chat_frame(model) -> tuple[str, str]:
 def build_prompt(s: Sample, *, query_aware: bool = False, frame: tuple[str, str] | None = None) -> Prompt:
     """Query-agnostic by default: the question arrives after the compressed context.
 
-    ``query_aware`` also states the question before the context, inside the
-    compressed part (kvpress's "compressed questions"). ``frame`` wraps the
-    user turn in a chat template: (text before the message, text after it).
+    ``query_aware``: the question ends the compressed part (kvpress's
+    "compressed questions", the SnapKV paper's setting), so attention methods
+    see it in their observation window; only the end of the user turn and the
+    answer prefix come after the compression. ``frame`` wraps the user turn in
+    a chat template: (text before the message, text after it).
     """
     before, after = frame or ("", "\n")
     ask = f"\n\n{s.question}"
-    pre = f"{s.question}\n\n" if query_aware else ""
-    return Prompt(context=before + pre + s.intro + s.context, query=ask + after + s.answer_prefix)
+    if query_aware:
+        return Prompt(context=before + s.intro + s.context + ask, query=after + s.answer_prefix)
+    return Prompt(context=before + s.intro + s.context, query=ask + after + s.answer_prefix)
