@@ -81,10 +81,11 @@ class Session:
         engine: str = "auto",
         method_params: dict[str, object] | None = None,
         observe: int = 0,
+        tally: bool = False,
     ) -> None:
-        """``observe``: record the newest queries of that many tokens from the start, for
-        attention methods a later ``use`` switches to (a method given here records what
-        it needs by itself)."""
+        """``observe``: record the newest queries of that many tokens from the start, and
+        ``tally``: the attention every cell accumulates (H2O), for attention methods a
+        later ``use`` switches to (a method given here records what it needs by itself)."""
         self.model = model if isinstance(model, Model) else Model(model)
         method = method if isinstance(method, Method) else get_method(method, **(method_params or {}))
         if chunk < 1:
@@ -110,8 +111,8 @@ class Session:
         self.n_past = 0  # next position to decode at (pos_max + 1)
         self._sampler: Sampler | None = None
         self._has_logits = False
-        if observe:
-            self.engine.observe(observe)
+        if observe or tally:
+            self.engine.observe(max(observe, 1), tally=tally)
         self.use(method, budget=budget, ratio=ratio)
 
     def use(self, method: str | Method, *, budget: int | None = None, ratio: float | None = None,
@@ -129,8 +130,10 @@ class Session:
             )
         _check_budget(method, budget, ratio, self.capacity)
         window = self.engine.window
-        if method.queries_needed > (window.size if window is not None else 0):
-            self.engine.observe(method.queries_needed)  # records from the next decoded token on
+        size = window.size if window is not None else 0
+        if method.queries_needed > size or (method.tallies and self.engine.tally is None):
+            # records from the next decoded token on
+            self.engine.observe(max(size, method.queries_needed), tally=method.tallies or self.engine.tally is not None)
         method.bind(budget, ratio)
         self.method = method
         self.budget = budget

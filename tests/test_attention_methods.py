@@ -165,3 +165,19 @@ def test_chunkkv_layer_reuse_scores_leaders_only(reuse: int) -> None:
     alone = get_method("chunkkv", window=w).select(snapshot(n, w, seed=6), 60)
     for layer in leaders:
         assert np.array_equal(keep[layer], alone[layer])
+
+
+def test_h2o_keeps_the_recent_share_and_the_heaviest_tallies() -> None:
+    n = 20
+    snap = snapshot(n, 1)
+    tally = np.zeros((L, H, n))
+    tally[:, 0, [2, 5, 9]] = [3.0, 1.0, 2.0]  # head 0: heavy hitters 2 > 9 > 5
+    tally[:, 1, [4, 11]] = [1.0, 5.0]
+    snap.tally = tally
+    # budget 8, recent 0.5: the 4 newest (16..19) plus the 4 heaviest before them
+    keep = get_method("h2o", window=1).select(snap, 8)
+    assert keep[0, 0].tolist() == [0, 2, 5, 9, 16, 17, 18, 19]  # ties at 0 go to the earliest cell
+    assert keep[0, 1].tolist() == [0, 1, 4, 11, 16, 17, 18, 19]
+    # recent 0.25 keeps 2 newest, 6 heavy
+    keep = get_method("h2o", window=1, recent=0.25).select(snap, 8)
+    assert keep[1, 0].tolist() == [0, 1, 2, 3, 5, 9, 18, 19]

@@ -22,7 +22,8 @@ def snapshot(seed: int = 0, n: int = N, token_pos: np.ndarray | None = None) -> 
     # an observation window for the attention methods: 64 queries (2 per KV head) at the end
     q = rng.standard_normal((L, 2 * H, 64, D)).astype(np.float32)
     win = QueryWindow(64, tuple(range(L)), q, np.arange(n - 64, n, dtype=np.int32))
-    return KVSnapshot.from_arrays(keys, values, token_pos, queries=win)
+    tally = rng.exponential(1.0, (L, H, n))  # H2O's accumulated attention
+    return KVSnapshot.from_arrays(keys, values, token_pos, queries=win, tally=tally)
 
 
 @pytest.mark.parametrize("name", list(METHODS))

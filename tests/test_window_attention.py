@@ -135,3 +135,53 @@ def test_attention_method_without_recorded_queries_is_a_clear_error(smollm2) -> 
         s.use("snapkv", budget=150)  # starts recording now: the prefill has no queries
         with pytest.raises(EdgekvError, match="no queries were recorded"):
             s.compress()
+
+
+@pytest.mark.parametrize(("engine", "ct", "fa"), [("state", "f16", "off"), ("native", "f16", "off"),
+                                                  ("native", "q8_0", "on")])
+def test_tally_is_the_attention_of_every_query_so_far(smollm2, engine, ct, fa) -> None:
+    """H2O's tally after a prefill in chunks equals the causal attention of all its
+    queries over the final cache; after a compaction it follows the kept cells, and the
+    next decodes add their attention over the compacted cache."""
+    n = 200
+    ctx = Context(smollm2, n_ctx=512, n_batch=128, cache_type_k=ct, cache_type_v=ct, flash_attn=fa, n_threads=2)
+    eng = make_engine(ctx, engine)
+    eng.observe(n, tally=True)  # a window as long as the prefill keeps every query for the reference
+    toks = smollm2.tokenize(TEXT, add_special=True)
+    prefill(eng, toks[:n], batch=64)
+    snap = eng.snapshot()
+    q, q_pos = snap.queries.last(n)
+    scale = 1 / np.sqrt(smollm2.arch.head_dim_k)
+    for layer in (0, 15, 29):
+        ref = reference(q[layer], q_pos, snap.keys(layer), snap.pos, scale)
+        assert np.abs(snap.tally[layer] - ref).max() < 1e-3, layer
+    # compaction: the tally is gathered with the cells
+    before = snap.tally.copy()
+    keep = np.stack([np.stack([np.sort(np.random.default_rng(il * 7 + h).choice(n - 1, 119, replace=False))
+                               for h in range(3)]) for il in range(30)])
+    keep = np.concatenate([keep, np.full((30, 3, 1), n - 1)], axis=2)
+    eng.compact(keep)
+    assert np.array_equal(eng.snapshot().tally, np.take_along_axis(before, keep, axis=2))
+    # four more tokens add their attention over the compacted cache
+    eng.decode(toks[n : n + 4], n)
+    snap2 = eng.snapshot()
+    q2, p2 = snap2.queries.last(4)
+    gathered = np.take_along_axis(before, keep, axis=2)
+    for layer in (0, 29):
+        add = reference(q2[layer], p2, snap2.keys(layer), snap2.pos, scale)
+        want = np.concatenate([gathered[layer], np.zeros((3, 4))], axis=1) + add
+        assert np.abs(snap2.tally[layer] - want).max() < 1e-3
+    ctx.close()
+
+
+def test_h2o_session_keeps_its_tally_through_files(smollm2, tmp_path) -> None:
+    toks = smollm2.tokenize(TEXT, add_special=True)[:300]
+    with Session(smollm2, method="h2o", budget=128, n_ctx=256) as s:
+        s.feed(toks)  # compresses when full: bounded memory
+        assert s.stats.compressions >= 1 and s.engine.n_cells <= 256
+        assert s.engine.tally.n_cells == s.engine.n_cells
+        tally = s.engine.tally.scores.copy()
+        s.save_file(tmp_path / "h.ekv")
+    with Session(smollm2, method="h2o", budget=128, n_ctx=256) as s2:
+        s2.load_file(tmp_path / "h.ekv")
+        assert np.allclose(s2.engine.tally.scores, tally, rtol=1e-6)  # stored as float32

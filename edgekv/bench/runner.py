@@ -319,6 +319,7 @@ def run_quality(grid: Grid, *, log: Callable[[str], None] | None = None) -> Path
     methods = grid.method_names()
     # the prefill records the queries every attention method of the grid will read
     observe = max((get_method(m).queries_needed for m in methods), default=0)
+    tally = any(get_method(m).tallies for m in methods)
     evals = _evals(methods, grid.ratios)
     protocol = "aware" if grid.query_aware else "agnostic"
     template = "chat" if grid.chat else "raw"
@@ -364,7 +365,7 @@ def run_quality(grid: Grid, *, log: Callable[[str], None] | None = None) -> Path
                         sess.close()
                     sess = Session(model, method="full", n_ctx=length + grid.eval_tokens + 64, chunk=512,
                                    cache_type_k=ct, cache_type_v=ct, flash_attn=grid.flash_attn,
-                                   n_threads=grid.threads, observe=observe)
+                                   n_threads=grid.threads, observe=observe, tally=tally)
                     sess_key = key
                 frame = tasks.chat_frame(model) if grid.chat and task != "ppl" else None
                 prep = _prepare(model, task, length, grid, i, frame)

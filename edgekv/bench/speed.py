@@ -169,8 +169,9 @@ def _one(model, label, ct, fa, length, grid: SpeedGrid, Session, METHODS, log) -
     n_ctx = length + grid.decode_tokens + 16
     # the prefill records the queries the grid's attention methods read (its cost is in prefill_s)
     observe = max((METHODS[m]().queries_needed for m in grid.methods), default=0)
+    tally = any(METHODS[m].tallies for m in grid.methods)
     with Session(model, method="full", n_ctx=n_ctx, chunk=512, cache_type_k=ct, cache_type_v=ct,
-                 flash_attn=fa, n_threads=grid.threads, observe=observe) as sess:
+                 flash_attn=fa, n_threads=grid.threads, observe=observe, tally=tally) as sess:
         _reset_peak()
         pre = protocol.prefill(sess, toks)
         prefill_s, n_prompt = pre.seconds, pre.n_cells

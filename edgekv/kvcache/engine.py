@@ -26,7 +26,7 @@ import numpy as np
 from ..errors import EdgekvError
 from . import layout
 from .quant import dequantize
-from .queries import QueryWindow, window_attention
+from .queries import AttentionTally, QueryWindow, window_attention
 
 
 @dataclass
@@ -60,6 +60,8 @@ class KVSnapshot:
     kq_scale: float = 0.0
     # the native engine scores on the device: (q, q_pos, layer) -> [n_kv_head, n]
     _score: Callable[[np.ndarray, np.ndarray, int], np.ndarray] | None = field(default=None, repr=False)
+    # H2O's accumulated attention per (layer, KV head, cell), when the engine tallies it
+    tally: np.ndarray | None = None
     _attn: dict[tuple[int, int], np.ndarray] = field(default_factory=dict, repr=False)
     scored_layers: list[int] = field(default_factory=list, repr=False)  # in the order they were scored
 
@@ -93,7 +95,7 @@ class KVSnapshot:
     @classmethod
     def from_arrays(cls, keys: list[np.ndarray], values: list[np.ndarray],
                     token_pos: np.ndarray | None = None, queries: QueryWindow | None = None,
-                    kq_scale: float = 0.0) -> KVSnapshot:
+                    kq_scale: float = 0.0, tally: np.ndarray | None = None) -> KVSnapshot:
         """A snapshot of given float K/V ([n, H, d] per layer), for tests,
         benchmarks and the papers' test vectors: methods cannot tell it from
         one read out of llama.cpp."""
@@ -105,7 +107,7 @@ class KVSnapshot:
                    head_dim_v=dv, _section=None, _order=None,
                    _k={i: np.asarray(k, np.float32) for i, k in enumerate(keys)},
                    _v={i: np.asarray(v, np.float32) for i, v in enumerate(values)},
-                   queries=queries, kq_scale=kq_scale or 1.0 / np.sqrt(dk))
+                   queries=queries, kq_scale=kq_scale or 1.0 / np.sqrt(dk), tally=tally)
 
     def keys(self, layer: int) -> np.ndarray:
         """float32 [n_cells, n_kv_head, head_dim_k] (post-RoPE, as cached)."""
@@ -156,7 +158,8 @@ class CacheState:
 
     ``bias`` is the native engine's log-count bias [n_layer, n_kv_head, n_cells]
     (position order) when merged cells exist; llama.cpp's blob does not carry it.
-    ``window`` is the observation window when the engine records one.
+    ``window`` is the observation window when the engine records one, ``tally``
+    the accumulated attention when it tallies (H2O).
     """
 
     blob: bytes
@@ -164,6 +167,7 @@ class CacheState:
     engine: str
     bias: np.ndarray | None = None
     window: QueryWindow | None = None
+    tally: np.ndarray | None = None  # float32 [rows, n_kv_head, n_cells], position order
 
     @property
     def n_cells(self) -> int:
@@ -181,6 +185,7 @@ class KVEngine(Protocol):
     name: str
     capabilities: frozenset[str]  # of "merge", "score", "read", "bias", "queries"
     window: QueryWindow | None  # the observation window, while ``observe`` keeps one
+    tally: AttentionTally | None  # accumulated attention, while ``observe(..., tally=True)`` keeps one
 
     @property
     def n_cells(self) -> int: ...
@@ -199,7 +204,7 @@ class KVEngine(Protocol):
 
     def shift(self, n_keep: int, n_discard: int) -> int: ...
 
-    def observe(self, size: int) -> None: ...
+    def observe(self, size: int, *, tally: bool = False) -> None: ...
 
 
 @dataclass

@@ -11,7 +11,7 @@ anything touches the cache. Layout (version 2)::
     then each array of header["arrays"] in order, little-endian, as
     {"name", "dtype" ("f4"/"i4"), "shape"}: "bias" (the log-count bias of merged
     cells), "window_q" and "window_pos" (the observation window; its size and
-    layers in header["window"])
+    layers in header["window"]), "tally" (H2O's accumulated attention)
 
 Version 1 files (the bias only, as header["bias_shape"]) still load.
 """
@@ -38,6 +38,8 @@ def _arrays(state: CacheState) -> dict[str, np.ndarray]:
     if state.window is not None:
         out["window_q"] = state.window.q.astype("<f4")
         out["window_pos"] = state.window.pos.astype("<i4")
+    if state.tally is not None:
+        out["tally"] = state.tally.astype("<f4")
     return out
 
 
@@ -105,5 +107,6 @@ def load_cache_file(path: str | Path, engine: str) -> tuple[CacheState, dict]:
         if pos is None or q.ndim != 4 or q.shape[2] != pos.shape[0] or len(w.get("layers", ())) != q.shape[0]:
             raise EdgekvError(f"{path}: the saved query window is inconsistent")
         window = QueryWindow(int(w["size"]), tuple(int(x) for x in w["layers"]), q, pos)
-    state = CacheState(blob=blob, token_pos=token_pos, engine=engine, bias=arrays.get("bias"), window=window)
+    state = CacheState(blob=blob, token_pos=token_pos, engine=engine, bias=arrays.get("bias"), window=window,
+                       tally=arrays.get("tally"))
     return state, header

@@ -24,7 +24,7 @@ import numpy as np
 from ..errors import EdgekvError, StateLayoutError
 from ..llama import Context
 from .engine import CacheState, KVSnapshot, _unrotate, check_keep, compacted_positions, hadamard
-from .queries import QueryWindow
+from .queries import AttentionTally, QueryWindow
 from .state import StateEngine
 
 _ERRORS = {
@@ -87,6 +87,7 @@ class NativeEngine:
         self.ctx = ctx
         self.seq = seq
         self._portable = StateEngine(ctx, seq)
+        self._portable.attention = self._device_attention  # H2O's tally, scored on the device
         self.capabilities = frozenset({"merge", "score", "read", "bias"}) | self._portable.capabilities
         self.tokens = self._portable.tokens
         self.n_kv_head = self._portable.n_kv_head
@@ -167,12 +168,19 @@ class NativeEngine:
         self._gen += 1
         return self._portable.shift(n_keep, n_discard)
 
-    def observe(self, size: int) -> None:
-        self._portable.observe(size)
+    def observe(self, size: int, *, tally: bool = False) -> None:
+        self._portable.observe(size, tally=tally)
 
     @property
     def window(self) -> QueryWindow | None:
         return self._portable.window
+
+    @property
+    def tally(self) -> AttentionTally | None:
+        return self._portable.tally
+
+    def _device_attention(self, q: np.ndarray, q_pos: np.ndarray) -> np.ndarray:
+        return self.score(q, q_pos, self.ctx.model.info.kq_scale)
 
     def _snapshot(self) -> KVSnapshot:
         pos_cells = self.cell_positions()
@@ -199,7 +207,8 @@ class NativeEngine:
         kq_scale = self.ctx.model.info.kq_scale
         return KVSnapshot(pos=pos, token_pos=self.tokens.full(pos, self.n_layer), n_kv_head=H,
                           head_dim_k=dk, head_dim_v=dv, _section=None, _order=order, _read=read,
-                          queries=self.window, kq_scale=kq_scale, _score=score)
+                          queries=self.window, kq_scale=kq_scale, _score=score,
+                          tally=self.tally.scores if self.tally is not None else None)
 
     def _compact(self, keep: np.ndarray) -> None:
         pos_cells = self.cell_positions()
@@ -213,6 +222,8 @@ class NativeEngine:
         self._check(self.lib.llama_edgekv_seq_compact(self._c, self.seq, b, self._i32(cells), self._i32(new_pos)),
                     "compact")
         self.tokens.set(new_tp)
+        if self.tally is not None:
+            self.tally.compact(keep)
 
     def save(self) -> CacheState:
         state = self._portable.save()

@@ -71,10 +71,12 @@ class QueryWindow:
     def pos(self) -> np.ndarray:
         return self._pos[self._order()]
 
-    def record(self, capture: Capture, start_pos: int, n_tokens: int) -> None:
-        """Append what the last decode (``n_tokens`` at ``start_pos``..) computed."""
+    def record(self, capture: Capture, start_pos: int, n_tokens: int, *, want_all: bool = False) -> np.ndarray | None:
+        """Append what the last decode (``n_tokens`` at ``start_pos``..) computed; with
+        ``want_all``, also return all of its queries, [rows, n_head, n_tokens, d]."""
         keep = min(n_tokens, self.size)
         slots = (self._next + np.arange(keep)) % self.size
+        every = np.empty((len(self.layers), self.n_head, n_tokens, self._q.shape[3]), np.float32) if want_all else None
         for row, il in enumerate(self.layers):
             t = capture.get("Qcur", il)
             if t is None or t.shape[1] != n_tokens:
@@ -82,9 +84,12 @@ class QueryWindow:
                                   f"({'nothing' if t is None else t.shape[1]} of {n_tokens} tokens)")
             # [1, n_tokens, n_head, d] -> the newest ``keep`` as [n_head, keep, d]
             self._q[row][:, slots] = t[0, n_tokens - keep:].transpose(1, 0, 2)
+            if every is not None:
+                every[row] = t[0].transpose(1, 0, 2)
         self._pos[slots] = np.arange(start_pos + n_tokens - keep, start_pos + n_tokens, dtype=np.int32)
         self._next = int((self._next + keep) % self.size)
         self._count = min(self.size, self._count + keep)
+        return every
 
     def clear(self) -> None:
         self._next = self._count = 0
@@ -106,6 +111,53 @@ class QueryWindow:
         return self._q[:, :, order], self._pos[order]
 
 
+class AttentionTally:
+    """Attention accumulated by every cell from every query decoded since the tally
+    started (H2O's heavy-hitter score): float64 [rows, n_kv_head, n_cells], cells in
+    position order, rows as the query window's. Compactions gather it like the
+    cells; cells decoded before the tally started count zero."""
+
+    def __init__(self, scores: np.ndarray) -> None:
+        self.scores = np.asarray(scores, np.float64)
+
+    @classmethod
+    def zeros(cls, rows: int, n_kv_head: int, n_cells: int) -> AttentionTally:
+        return cls(np.zeros((rows, n_kv_head, n_cells)))
+
+    @property
+    def n_cells(self) -> int:
+        return int(self.scores.shape[2])
+
+    def add(self, attention: np.ndarray) -> None:
+        """Add one decode's window attention over the cells after it ([rows, H, n] with
+        n >= the cells tallied so far: the decode's own cells come last)."""
+        n = attention.shape[2]
+        if n < self.n_cells:
+            raise EdgekvError(f"attention over {n} cells cannot extend a tally of {self.n_cells}")
+        grown = np.zeros(self.scores.shape[:2] + (n,))
+        grown[:, :, : self.n_cells] = self.scores
+        self.scores = grown + attention
+
+    def grow(self, n: int) -> None:
+        """Cells decoded without a score (e.g. a decode whose attention was not taken)."""
+        if n > self.n_cells:
+            self.add(np.zeros(self.scores.shape[:2] + (n,)))
+
+    def compact(self, keep: np.ndarray) -> None:
+        """The cells ``keep`` [rows, H, B] (or [B], the same for all) kept, in that order."""
+        keep = np.asarray(keep)
+        if keep.ndim == 1:
+            self.scores = self.scores[:, :, keep]
+        else:
+            self.scores = np.take_along_axis(self.scores, keep, axis=2)
+
+    def clear(self) -> None:
+        self.scores = self.scores[:, :, :0]
+
+    def copy(self) -> AttentionTally:
+        return AttentionTally(self.scores.copy())
+
+
 def window_attention(q: np.ndarray, q_pos: np.ndarray, k: np.ndarray, k_pos: np.ndarray, kq_scale: float,
                      bias: np.ndarray | None = None) -> np.ndarray:
     """float64 [n_kv_head, n]: attention of the window queries to each cached key.
@@ -120,13 +172,20 @@ def window_attention(q: np.ndarray, q_pos: np.ndarray, k: np.ndarray, k_pos: np.
     if n_head % n_kv:
         raise EdgekvError(f"{n_head} query heads do not split into {n_kv} KV heads")
     group = n_head // n_kv
-    qg = q.reshape(n_kv, group * n_q, d).astype(np.float32)
-    logits = np.einsum("hqd,nhd->hqn", qg, k.astype(np.float32), optimize=True).astype(np.float64) * kq_scale
-    if bias is not None:
-        logits += bias[:, None, :]
-    hidden = np.tile(k_pos[None, :] > q_pos[:, None], (group, 1))  # [group*n_q, n]
-    logits[:, hidden] = -np.inf
-    logits -= logits.max(axis=2, keepdims=True)
-    p = np.exp(logits)
-    p /= p.sum(axis=2, keepdims=True)
-    return p.sum(axis=1)
+    kf = k.astype(np.float32)
+    out = np.zeros((n_kv, n))
+    step = max(1, (1 << 22) // max(1, n * n_head))  # queries per block: about 4M logits at a time
+    for t0 in range(0, n_q, step):
+        qb, pb = q[:, t0 : t0 + step], q_pos[t0 : t0 + step]
+        m = qb.shape[1]
+        qg = qb.reshape(n_kv, group * m, d).astype(np.float32)
+        logits = np.einsum("hqd,nhd->hqn", qg, kf, optimize=True).astype(np.float64) * kq_scale
+        if bias is not None:
+            logits += bias[:, None, :]
+        hidden = np.tile(k_pos[None, :] > pb[:, None], (group, 1))  # [group*m, n]
+        logits[:, hidden] = -np.inf
+        logits -= logits.max(axis=2, keepdims=True)
+        p = np.exp(logits)
+        p /= p.sum(axis=2, keepdims=True)
+        out += p.sum(axis=1)
+    return out

@@ -16,7 +16,7 @@ from ..llama import Context
 from . import layout
 from .engine import CacheState, KVSnapshot, TokenMap, check_keep, compacted_positions
 from .quant import row_size
-from .queries import QueryWindow
+from .queries import AttentionTally, QueryWindow, window_attention
 
 
 class StateEngine:
@@ -40,6 +40,9 @@ class StateEngine:
         # the layers a snapshot holds: all, or only the full-attention ones of an iSWA model
         self.layers = ctx.model.info.global_layers if self.n_caches > 1 else tuple(range(arch.n_layer))
         self.window: QueryWindow | None = None
+        self.tally: AttentionTally | None = None
+        # how a decode's queries become attention over the cells (the native engine puts its device op here)
+        self.attention = self._host_attention
         # "queries": the context's tensor capture can record the observation window
         self.capabilities = frozenset({"queries"}) if ctx.capture is not None else frozenset()
 
@@ -53,16 +56,27 @@ class StateEngine:
         self.ctx.decode(tokens, start_pos, all_logits=all_logits, seq=self.seq)
         self.tokens.n_cells += len(tokens)
         if self.window is not None:
-            self.window.record(self.ctx.capture, start_pos, len(tokens))
+            q = self.window.record(self.ctx.capture, start_pos, len(tokens), want_all=self.tally is not None)
+            if self.tally is not None:
+                self.tally.add(self.attention(q, np.arange(start_pos, start_pos + len(tokens), dtype=np.int32)))
 
-    def observe(self, size: int) -> None:
-        """Keep the post-RoPE queries of the newest ``size`` decoded tokens (0: stop).
+    def _host_attention(self, q: np.ndarray, q_pos: np.ndarray) -> np.ndarray:
+        """[rows, H, n]: window attention of ``q`` over the cells, in numpy over a snapshot."""
+        snap = self.snapshot()
+        return np.stack([window_attention(q[r], q_pos, snap.keys(r), snap.pos, snap.kq_scale)
+                         for r in range(snap.n_layer)])
 
-        Only tokens decoded from now on are recorded; a larger window keeps what it has."""
+    def observe(self, size: int, *, tally: bool = False) -> None:
+        """Keep the post-RoPE queries of the newest ``size`` decoded tokens (0: stop), and
+        with ``tally`` the attention every cell accumulates from every later query (H2O).
+
+        Only tokens decoded from now on are recorded (cells already there tally zero);
+        a larger window keeps what it has."""
         if size <= 0:
             if self.window is not None:
                 self.ctx.capture.want("Qcur", self.layers, on=False)
             self.window = None
+            self.tally = None
             return
         if "queries" not in self.capabilities:
             raise EdgekvError("this context has no tensor capture to record queries "
@@ -76,6 +90,8 @@ class StateEngine:
             self.window = QueryWindow.empty(size, self.layers, arch.n_head, self.head_dim_k)
         elif size != self.window.size:
             self.window = self.window.resized(size)
+        if tally and self.tally is None:
+            self.tally = AttentionTally.zeros(len(self.layers), self.n_kv_head, self.n_cells)
 
     def shift(self, n_keep: int, n_discard: int) -> int:
         """llama.cpp's context shift on this sequence: drop cells n_keep..n_keep+n_discard-1
@@ -94,6 +110,8 @@ class StateEngine:
         keep = np.concatenate([np.arange(n_keep), np.arange(n_keep + n_discard, snap.n_cells)])
         self.tokens.set(snap.token_pos[:, :, keep])
         self.tokens.pos_shift += delta
+        if self.tally is not None:
+            self.tally.compact(keep)
         return delta
 
     def reset(self) -> None:
@@ -102,6 +120,8 @@ class StateEngine:
         self.tokens.reset()
         if self.window is not None:
             self.window.clear()
+        if self.tally is not None:
+            self.tally.clear()
 
     # -- parsing ---------------------------------------------------------------
     def _parse(self) -> layout.SeqState:
@@ -150,6 +170,7 @@ class StateEngine:
             _v_rot=self.ctx.v_rot,
             queries=self.window,
             kq_scale=self.ctx.model.info.kq_scale,
+            tally=self.tally.scores if self.tally is not None else None,
         )
 
     # -- verbs -----------------------------------------------------------------
@@ -164,6 +185,8 @@ class StateEngine:
         st.sections[0] = layout.gather_section(sec, order, keep, new_pos, self.n_kv_head)
         self.ctx.state_set(layout.write_seq_state(st), self.seq)
         self.tokens.set(new_tp)
+        if self.tally is not None:
+            self.tally.compact(keep)
 
     def save(self) -> CacheState:
         blob = self.ctx.state_get(self.seq)
@@ -171,7 +194,8 @@ class StateEngine:
         sec = st.sections[0]
         pos = np.sort(sec.pos)
         return CacheState(blob=blob, token_pos=self.tokens.full(pos, len(sec.layers)), engine=self.name,
-                          window=self.window.copy() if self.window is not None else None)
+                          window=self.window.copy() if self.window is not None else None,
+                          tally=self.tally.scores.astype(np.float32) if self.tally is not None else None)
 
     def restore(self, state: CacheState) -> None:
         # Validate before handing llama.cpp anything: it would replace the
@@ -185,9 +209,14 @@ class StateEngine:
             )
         if state.window is not None and state.window.layers != self.layers:
             raise StateLayoutError("saved query window does not match this model's layers")
+        if state.tally is not None and state.tally.shape != (len(self.layers), self.n_kv_head, state.n_cells):
+            raise StateLayoutError("saved attention tally does not match the saved cells")
         self.ctx.state_set(state.blob, self.seq)
         self.tokens.set(state.token_pos)
         if self.window is not None:  # an observing engine takes the saved queries (none: empty)
             w = self.window
             self.window = (state.window.resized(w.size) if state.window is not None
                            else QueryWindow.empty(w.size, w.layers, w.n_head, self.head_dim_k))
+        if self.tally is not None:  # a tallying engine takes the saved tally (none: zeros)
+            self.tally = (AttentionTally(state.tally) if state.tally is not None
+                          else AttentionTally.zeros(len(self.layers), self.n_kv_head, state.n_cells))

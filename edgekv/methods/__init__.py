@@ -13,6 +13,7 @@ from .base import Method, ScorerMethod
 from .chunkkv import ChunkKV
 from .context_shift import ContextShift
 from .full import Full
+from .h2o import H2O
 from .knorm import Knorm
 from .lagkv import LagKV
 from .random import Random
@@ -20,7 +21,7 @@ from .snapkv import SnapKV
 from .streaming_llm import StreamingLLM
 
 METHODS: dict[str, type[Method]] = {
-    cls.name: cls for cls in (Full, StreamingLLM, Knorm, Random, ContextShift, LagKV, SnapKV, ChunkKV)
+    cls.name: cls for cls in (Full, StreamingLLM, Knorm, Random, ContextShift, LagKV, SnapKV, ChunkKV, H2O)
 }
 
 

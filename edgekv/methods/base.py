@@ -40,6 +40,8 @@ class Method:
     # engine capabilities the method needs ("merge", "score", "read", "bias", "queries");
     # the Session refuses the method on an engine that lacks one
     needs: ClassVar[frozenset[str]] = frozenset()
+    # the engine must tally the attention every cell receives from every later query (H2O)
+    tallies: ClassVar[bool] = False
 
     sinks: int = 4
     window: int = 32
