@@ -62,7 +62,7 @@ def main() -> None:
     # the machine's speed drifts between rounds: compare each mode with "off" of the same round
     for mode in ("idle", "recording"):
         for j, what in enumerate(("prefill", "decode")):
-            ratios = [x[j] / o[j] for x, o in zip(runs[mode], runs["off"])]
+            ratios = [x[j] / o[j] for x, o in zip(runs[mode], runs["off"], strict=True)]
             rows[mode][f"{what}_vs_off"] = round(statistics.median(ratios), 3)
     for mode in modes:
         print(mode, rows[mode])

@@ -314,7 +314,7 @@ def resolve_flash_attn(flash_attn: str, cache_type_v: str, n_gpu_layers: int) ->
     llama.cpp's own ``auto`` turns flash attention on wherever the backend has
     the op, the CPU included. On the CPU that makes decoding 2.4-3.5x slower
     for about the same prefill speed: measured here (SmolLM2-135M, f16 cache,
-    2 threads, ``bench/flash_attn.py``) 22.1 vs 52.0 ms/token at 1k tokens of
+    2 threads, ``bench/flash_attention.py``) 22.1 vs 52.0 ms/token at 1k tokens of
     context and 35.4 vs 124.8 at 4k (``bench/RESULTS.md``). A quantised V
     cache needs flash attention, and on a GPU llama.cpp knows best, so those
     keep ``on``/``auto``.

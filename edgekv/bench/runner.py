@@ -31,8 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import EdgekvError
-from . import protocol as evaluation
 from ..methods import get_method
+from . import protocol as evaluation
 from . import scoring, tasks
 
 RESULTS_FILE = "results.jsonl"

@@ -96,7 +96,7 @@ def load_cache_file(path: str | Path, engine: str) -> tuple[CacheState, dict]:
     end = off + n_tp + header["blob_len"]
     blob = data[off + n_tp : end]
     arrays: dict[str, np.ndarray] = {}
-    for spec, size in zip(specs, sizes):
+    for spec, size in zip(specs, sizes, strict=True):
         a = np.frombuffer(data[end : end + size], dtype="<" + spec["dtype"]).reshape(spec["shape"])
         arrays[spec["name"]] = a.astype(np.float32 if spec["dtype"] == "f4" else np.int32)
         end += size

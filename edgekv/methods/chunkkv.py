@@ -19,7 +19,8 @@ so a kept fact keeps its subject, verb and object. Per (layer, KV head):
 token scores are SnapKV's (mean over window queries, average pool of
 ``kernel``, GQA group mean), summed over the layer's KV heads; a chunk scores
 the mean of its cells over the whole cache (window included, the window
-scoring the maximum), and every head of the layer keeps the same chunks.
+scoring the layer's maximum + 1), and every head of the layer keeps the same
+chunks.
 Use it with ``chunk=20 window=64 kernel=5`` for a side-by-side with kvpress.
 
 ``reuse=N`` is the paper's layer-wise index reuse: layers are taken in groups
@@ -37,7 +38,7 @@ import numpy as np
 from ..errors import BudgetError
 from ..kvcache.engine import KVSnapshot
 from .base import Method
-from .snapkv import avg_pool
+from .snapkv import snapkv_scores
 
 
 @dataclass
@@ -87,12 +88,11 @@ class ChunkKV(Method):
         return keep
 
     def _layer_scores(self, snap: KVSnapshot, layer: int) -> np.ndarray:
-        """kvpress's SnapKV scores of one layer, summed over its KV heads: float [n]."""
-        n = snap.n_cells
-        w = min(self.window, n)
-        a = snap.window_attention(layer, self.window)[:, : n - w]
-        s = avg_pool(a, self.kernel)
-        full = np.concatenate([s, np.full((snap.n_kv_head, w), s.max() if s.size else 0.0)], axis=1)
+        """kvpress's scores of one layer, summed over its KV heads: float [n]. SnapKVPress
+        pads the window with the layer's maximum score + 1 (kvpress 0.5.5)."""
+        s = snapkv_scores(snap, layer, self.window, self.kernel)
+        pad = (s.max() if s.size else 0.0) + 1.0
+        full = np.concatenate([s, np.full((snap.n_kv_head, snap.n_cells - s.shape[1]), pad)], axis=1)
         return full.sum(axis=0)
 
 
@@ -101,7 +101,9 @@ def _fill(cell: np.ndarray, chunk_of: np.ndarray, prot: np.ndarray, budget: int,
     cells of the first chunk that no longer fits, up to exactly ``budget`` cells.
 
     ``cell`` [rows, n] scores, ``chunk_of`` [rows, n] chunk ids, ``prot`` [rows, n].
-    A chunk scores the sum (``mean``: the mean) of its cells; ties go to the earlier chunk."""
+    A chunk scores the sum of its unprotected cells (the paper's grid over the prefix
+    before the window), or with ``mean`` the mean of all its cells (kvpress, whose
+    window cells score high and pull their chunks in); ties go to the earlier chunk."""
     rows, n = cell.shape
     out = np.empty((rows, budget), dtype=np.int64)
     for r in range(rows):
@@ -111,9 +113,10 @@ def _fill(cell: np.ndarray, chunk_of: np.ndarray, prot: np.ndarray, budget: int,
             raise BudgetError(f"budget {budget} is below the {int(taken.sum())} protected cells")
         free = ~taken
         ids, inv = np.unique(chunk_of[r], return_inverse=True)
-        tot = np.bincount(inv, weights=np.where(free, cell[r], 0.0), minlength=ids.size)
         if mean:
-            tot = tot / np.maximum(np.bincount(inv, minlength=ids.size), 1)
+            tot = np.bincount(inv, weights=cell[r], minlength=ids.size) / np.bincount(inv, minlength=ids.size)
+        else:
+            tot = np.bincount(inv, weights=np.where(free, cell[r], 0.0), minlength=ids.size)
         # the free cells of each chunk, contiguous in ``members``
         members = np.flatnonzero(free)
         members = members[np.argsort(inv[members], kind="stable")]

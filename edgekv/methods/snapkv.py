@@ -50,8 +50,18 @@ class SnapKV(ScorerMethod):
         return self.window
 
     def score(self, snap: KVSnapshot, layer: int) -> np.ndarray:
-        n = snap.n_cells
-        w = min(self.window, n)
-        a = snap.window_attention(layer, self.window)[:, : n - w]
-        s = avg_pool(a, self.kernel)
-        return np.concatenate([s, np.full((snap.n_kv_head, w), np.inf)], axis=1)
+        s = snapkv_scores(snap, layer, self.window, self.kernel)
+        return np.concatenate([s, np.full((snap.n_kv_head, snap.n_cells - s.shape[1]), np.inf)], axis=1)
+
+
+def snapkv_scores(snap: KVSnapshot, layer: int, window: int, kernel: int) -> np.ndarray:
+    """SnapKV's scores of the cells before the window, float [n_kv_head, n - window]:
+    the window's attention averaged over its queries and each KV head's query heads,
+    then the average pool (kvpress's values exactly, so ChunkKV's per-layer mode can
+    add its window padding on the same scale)."""
+    n = snap.n_cells
+    w = min(window, n)
+    n_q = min(window, snap.queries.n) if snap.queries is not None else window
+    group = snap.queries.n_head // snap.n_kv_head if snap.queries is not None else 1
+    a = snap.window_attention(layer, window)[:, : n - w] / (n_q * group)
+    return avg_pool(a, kernel)
