@@ -351,6 +351,55 @@ def methods() -> None:
         typer.echo(f"{name:16s} {cls.summary}\n{'':16s} params: {params}")
 
 
+def _floats(text: str, opt: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise EdgekvError(f"{opt} takes comma-separated numbers, got {text!r}") from None
+
+
+@app.command()
+def calibrate(
+    model: ModelArg = None,
+    lengths: Annotated[str, typer.Option(help="Context lengths in tokens, comma-separated.")] = "512,1024,2048,3072",
+    depths: Annotated[str, typer.Option(help="Needle depths in [0, 1], comma-separated.")] = "0,0.33,0.67,1",
+    needles: Annotated[int, typer.Option(help="How many of edgekv's 3 needles to use.")] = 3,
+    threads: ThreadsOpt = None,
+    force: Annotated[bool, typer.Option("--force", help="Calibrate again even if a profile exists.")] = False,
+) -> None:
+    """Find the model's semantic retrieval heads for --method compresskv (once per model file)."""
+    from .calibrate import CalibrationGrid, calibrate as run_calibration
+    from .models import resolve_model
+    from .profiles import file_sha256, profile_path, save_profile
+
+    try:
+        path = resolve_model(model)
+        existing = profile_path(file_sha256(path))
+        if existing.is_file() and not force:
+            typer.echo(f"profile exists: {existing} (--force to calibrate again)")
+            return
+        lens = tuple(int(x) for x in _floats(lengths, "--lengths"))
+        deps = _floats(depths, "--depths")
+        if not lens or min(lens) < 256 or not deps or not all(0.0 <= d <= 1.0 for d in deps):
+            raise EdgekvError("--lengths must be >= 256 tokens and --depths in [0, 1]")
+        if not 1 <= needles <= 3:
+            raise EdgekvError("--needles must be 1, 2 or 3")
+        grid = CalibrationGrid(lengths=lens, depths=deps, needles=needles, threads=threads)
+        typer.echo(f"calibrating {path.name}: {grid.runs()} needle runs", err=True)
+
+        def progress(done: int, total: int, line: str) -> None:
+            typer.echo(f"[{done}/{total}] {line}", err=True)
+
+        prof = run_calibration(str(path), grid, progress)
+        out = save_profile(prof)
+        typer.echo(f"{prof.successful}/{prof.runs} runs answered; top heads per layer:")
+        for row, il in enumerate(prof.layers):
+            typer.echo(f"  layer {il:3d}: {prof.top_heads(row, 4)}")
+        typer.echo(f"profile: {out}")
+    except EdgekvError as e:
+        _fail(e)
+
+
 @app.command()
 def info(model: ModelArg = None) -> None:
     """Architecture, KV geometry, KV bytes per token per cache type, trained context, engine,

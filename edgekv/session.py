@@ -129,6 +129,7 @@ class Session:
                 "lacks (the native engine has it: a patched libllama and a model without sliding-window layers)"
             )
         _check_budget(method, budget, ratio, self.capacity)
+        method.attach(self.model.info)
         window = self.engine.window
         size = window.size if window is not None else 0
         if method.queries_needed > size or (method.tallies and self.engine.tally is None):

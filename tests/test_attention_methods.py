@@ -181,3 +181,43 @@ def test_h2o_keeps_the_recent_share_and_the_heaviest_tallies() -> None:
     # recent 0.25 keeps 2 newest, 6 heavy
     keep = get_method("h2o", window=1, recent=0.25).select(snap, 8)
     assert keep[1, 0].tolist() == [0, 1, 2, 3, 5, 9, 18, 19]
+
+
+def kvpress_style_compresskv(snap: KVSnapshot, layer: int, heads: list[int], w: int, kernel: int) -> np.ndarray:
+    """The paper's online score written out: per retrieval head, attention of the w window
+    queries summed, prefix only, zero-padded average pool, then the mean over the heads."""
+    n = snap.n_cells
+    p = loop_attention(snap, layer, w)  # [H * G, w, n]
+    rows = []
+    for h in heads:
+        c = p[h].sum(axis=0)[: n - w]
+        padded = np.pad(c, (kernel // 2, kernel // 2))
+        rows.append([padded[j : j + kernel].mean() for j in range(n - w)])
+    return np.mean(rows, axis=0)
+
+
+def test_compresskv_keeps_one_set_per_layer_from_its_retrieval_heads() -> None:
+    from edgekv.profiles import HeadProfile
+
+    n, w, budget = 120, 8, 40
+    snap = snapshot(n, 16, seed=11)
+    scores = np.zeros((L, H * G))
+    scores[0, [5, 1, 4, 0]] = [4, 3, 2, 1]  # layer 0: heads 5, 1, 4, 0 (two per KV head)
+    scores[1, [2, 3, 0, 1]] = [4, 3, 2, 1]  # layer 1: four heads of KV head 0 and 1
+    scores[2, [5]] = [1]  # layer 2: ties after head 5 go to the lower ids
+    m = get_method("compresskv", window=w)
+    m._profile = HeadProfile("synthetic", "0", list(range(L)), scores.tolist(), 1, 1)
+    assert m._profile.top_heads(2, 4) == [5, 0, 1, 2]
+    keep = m.select(snap, budget)
+    for layer in range(L):
+        assert np.all(keep[layer] == keep[layer, 0])  # every KV head keeps the layer's set
+        s = kvpress_style_compresskv(snap, layer, m._profile.top_heads(layer, 4), w, 5)
+        top = np.sort(np.argsort(-s, kind="stable")[: budget - w])
+        assert keep[layer, 0].tolist() == top.tolist() + list(range(n - w, n))
+
+
+def test_head_attention_is_one_query_head() -> None:
+    snap = snapshot(60, 6, seed=12)
+    p = loop_attention(snap, 1, 6)
+    got = snap.head_attention(1, 6, [4, 0, 5])
+    assert np.abs(got - p[[4, 0, 5]].sum(axis=1)).max() < 1e-5

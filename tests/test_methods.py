@@ -9,9 +9,21 @@ import pytest
 from edgekv.errors import BudgetError, EdgekvError
 from edgekv.kvcache.engine import KVSnapshot, check_keep
 from edgekv.kvcache.queries import QueryWindow
-from edgekv.methods import METHODS, get_method
+from edgekv.methods import METHODS
+from edgekv.methods import get_method as _get_method
+from edgekv.profiles import HeadProfile
 
 L, H, N, D = 3, 2, 200, 16
+
+
+def get_method(name: str, **params):
+    """A configured method; CompressKV gets a synthetic retrieval-head profile (a
+    Session attaches the calibrated one of its model)."""
+    m = _get_method(name, **params)
+    if name == "compresskv":
+        rng = np.random.default_rng(9)
+        m._profile = HeadProfile("synthetic", "0", list(range(L)), rng.random((L, 2 * H)).tolist(), 1, 1)
+    return m
 
 
 def snapshot(seed: int = 0, n: int = N, token_pos: np.ndarray | None = None) -> KVSnapshot:

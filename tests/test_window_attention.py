@@ -65,6 +65,14 @@ def test_window_attention_equals_float64_from_captured_queries(smollm2, engine, 
         assert got.shape == ref.shape
         assert np.allclose(got.sum(axis=1).sum(), W * smollm2.arch.n_head)  # every query row sums to 1
         assert np.abs(got - ref).max() < 1e-4, layer
+    # single query heads (CompressKV's retrieval heads): 0, 1, 2 share KV head 0
+    heads = [0, 1, 2, 5]
+    got = snap.head_attention(7, W, heads)
+    scale = 1 / np.sqrt(smollm2.arch.head_dim_k)
+    for i, h in enumerate(heads):
+        g = h // (smollm2.arch.n_head // smollm2.arch.n_head_kv)
+        ref = reference(q[7][h : h + 1], q_pos, snap.keys(7)[:, g : g + 1], snap.pos, scale)[0]
+        assert np.abs(got[i] - ref).max() < 1e-4, h
     # fewer queries than recorded: the newest ones
     ref = reference(q[3][:, -5:], q_pos[-5:], snap.keys(3), snap.pos, 1 / np.sqrt(smollm2.arch.head_dim_k))
     assert np.abs(snap.window_attention(3, 5) - ref).max() < 1e-4

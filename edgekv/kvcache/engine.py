@@ -92,6 +92,45 @@ class KVSnapshot:
             self.scored_layers.append(layer)
         return self._attn[key]
 
+    def head_attention(self, layer: int, n_queries: int, heads: list[int]) -> np.ndarray:
+        """float64 [len(heads), n_cells]: like ``window_attention`` for single query heads
+        (CompressKV's retrieval heads), each summed over the newest ``n_queries`` queries
+        only. The native engine scores them on the device, one query head per KV head
+        per call."""
+        if self.queries is None:
+            raise EdgekvError("this method needs the observation window (queries), which the "
+                              "engine is not recording")
+        q, q_pos = self.queries.last(n_queries)
+        n_head = q.shape[1]
+        group = n_head // self.n_kv_head
+        if any(not 0 <= h < n_head for h in heads):
+            raise EdgekvError(f"query heads must be in 0..{n_head - 1}, got {heads}")
+        out = np.zeros((len(heads), self.n_cells))
+        if self._score is None:
+            k = self.keys(layer)
+            for i, h in enumerate(heads):
+                g = h // group
+                out[i] = window_attention(q[layer, h : h + 1], q_pos, k[:, g : g + 1], self.pos, self.kq_scale)[0]
+            return out
+        # device: rounds of one query head per KV head (rows of unused KV heads are ignored)
+        todo = list(enumerate(heads))
+        while todo:
+            taken: dict[int, tuple[int, int]] = {}
+            rest = []
+            for i, h in todo:
+                if h // group in taken:
+                    rest.append((i, h))
+                else:
+                    taken[h // group] = (i, h)
+            qr = np.zeros((q.shape[0], self.n_kv_head) + q.shape[2:], np.float32)
+            for g, (_, h) in taken.items():
+                qr[layer, g] = q[layer, h]
+            a = self._score(qr, q_pos, layer)
+            for g, (i, _) in taken.items():
+                out[i] = a[g]
+            todo = rest
+        return out
+
     @classmethod
     def from_arrays(cls, keys: list[np.ndarray], values: list[np.ndarray],
                     token_pos: np.ndarray | None = None, queries: QueryWindow | None = None,

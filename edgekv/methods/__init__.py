@@ -11,6 +11,7 @@ import dataclasses
 from ..errors import EdgekvError
 from .base import Method, ScorerMethod
 from .chunkkv import ChunkKV
+from .compresskv import CompressKV
 from .context_shift import ContextShift
 from .full import Full
 from .h2o import H2O
@@ -21,7 +22,7 @@ from .snapkv import SnapKV
 from .streaming_llm import StreamingLLM
 
 METHODS: dict[str, type[Method]] = {
-    cls.name: cls for cls in (Full, StreamingLLM, Knorm, Random, ContextShift, LagKV, SnapKV, ChunkKV, H2O)
+    cls.name: cls for cls in (Full, StreamingLLM, Knorm, Random, ContextShift, LagKV, SnapKV, ChunkKV, H2O, CompressKV)
 }
 
 

@@ -24,6 +24,7 @@ from typing import ClassVar
 import numpy as np
 
 from ..errors import BudgetError
+from ..gguf_info import ModelInfo
 from ..kvcache.engine import KVEngine, KVSnapshot
 
 
@@ -52,6 +53,10 @@ class Method:
         Methods whose own hyperparameters express the budget (LagKV's per-
         partition keep ratio) adopt it here; the default needs nothing.
         """
+
+    def attach(self, info: ModelInfo) -> None:
+        """Called by the Session with the model it runs: a method with per-model data
+        (CompressKV's calibrated retrieval heads) loads and checks it here."""
 
     def due(self, tokens_since_compress: int, n_cells: int) -> bool:
         """Incremental methods: compress now, before the cache is full?
