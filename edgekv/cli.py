@@ -368,7 +368,8 @@ def calibrate(
     force: Annotated[bool, typer.Option("--force", help="Calibrate again even if a profile exists.")] = False,
 ) -> None:
     """Find the model's semantic retrieval heads for --method compresskv (once per model file)."""
-    from .calibrate import CalibrationGrid, calibrate as run_calibration
+    from .calibrate import CalibrationGrid
+    from .calibrate import calibrate as run_calibration
     from .models import resolve_model
     from .profiles import file_sha256, profile_path, save_profile
 
