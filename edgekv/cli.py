@@ -366,6 +366,8 @@ def calibrate(
     needles: Annotated[int, typer.Option(help="How many of edgekv's 3 needles to use.")] = 3,
     threads: ThreadsOpt = None,
     force: Annotated[bool, typer.Option("--force", help="Calibrate again even if a profile exists.")] = False,
+    out: Annotated[Path | None, typer.Option(help="Write the profile here (use it with --param profile=FILE) "
+                                             "instead of the model's default profile.")] = None,
 ) -> None:
     """Find the model's semantic retrieval heads for --method compresskv (once per model file)."""
     from .calibrate import CalibrationGrid
@@ -376,7 +378,8 @@ def calibrate(
     try:
         path = resolve_model(model)
         existing = profile_path(file_sha256(path))
-        if existing.is_file() and not force:
+        _check_writable(out, "--out")
+        if out is None and existing.is_file() and not force:
             typer.echo(f"profile exists: {existing} (--force to calibrate again)")
             return
         lens = tuple(int(x) for x in _floats(lengths, "--lengths"))
@@ -392,7 +395,7 @@ def calibrate(
             typer.echo(f"[{done}/{total}] {line}", err=True)
 
         prof = run_calibration(str(path), grid, progress)
-        out = save_profile(prof)
+        out = save_profile(prof, out)
         typer.echo(f"{prof.successful}/{prof.runs} runs answered; top heads per layer:")
         for row, il in enumerate(prof.layers):
             typer.echo(f"  layer {il:3d}: {prof.top_heads(row, 4)}")

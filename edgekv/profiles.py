@@ -58,8 +58,9 @@ def profile_path(sha256: str) -> Path:
     return edgekv_home() / "profiles" / f"{sha256}.json"
 
 
-def save_profile(profile: HeadProfile) -> Path:
-    path = profile_path(profile.sha256)
+def save_profile(profile: HeadProfile, path: str | os.PathLike[str] | None = None) -> Path:
+    """Write atomically to ``path`` (default: the model's profile location)."""
+    path = Path(path) if path else profile_path(profile.sha256)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".part")
     tmp.write_text(json.dumps(asdict(profile), indent=1))

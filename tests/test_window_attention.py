@@ -193,3 +193,15 @@ def test_h2o_session_keeps_its_tally_through_files(smollm2, tmp_path) -> None:
     with Session(smollm2, method="h2o", budget=128, n_ctx=256) as s2:
         s2.load_file(tmp_path / "h.ekv")
         assert np.allclose(s2.engine.tally.scores, tally, rtol=1e-6)  # stored as float32
+
+
+@pytest.mark.parametrize("method", ["snapkv", "chunkkv", "h2o"])
+def test_attention_methods_run_on_gemma3_state_engine(gemma3, method) -> None:
+    """iSWA: the state engine scores the global layers; the sliding-window cache is untouched."""
+    toks = gemma3.tokenize(TEXT, add_special=True)[:400]
+    with Session(gemma3, method=method, budget=200, n_ctx=320) as s:
+        assert s.engine.name == "state"
+        s.feed(toks)
+        assert s.stats.compressions >= 1 and s.engine.n_cells <= 320
+        assert s.engine.snapshot().n_layer == len(gemma3.info.global_layers)
+        assert "".join(s.generate(4))
