@@ -123,6 +123,9 @@ class Session:
         ``compress`` calls compress. The cache is kept as it is."""
         method = method if isinstance(method, Method) else get_method(method, **params)
         missing = method.needs - self.engine.capabilities
+        if "queries" in missing:
+            raise EdgekvError(f"method {method.name!r} reads the queries, which need edgekv's tensor capture "
+                              "(edgekv/_edgekv_capture*.so: run native/build_native.py)")
         if missing:
             raise EdgekvError(
                 f"method {method.name!r} needs {', '.join(sorted(missing))}, which the {self.engine.name} engine "

@@ -341,3 +341,23 @@ def test_chat_help_documents_budget_and_ratio():
     # the --ratio convention: the fraction removed, kvpress-style
     assert "Fraction of cells REMOVED at each compression" in text
     assert "0.75 keeps 25 %" in text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["snapkv", "chunkkv"])
+def test_generate_question_is_compressed_with_the_prompt(smollm2_path, tmp_path, method):
+    """Query-aware: the question ends the prompt, and the cache is brought to the budget
+    after it, so the last compression saw the question in its observation window."""
+    stats = tmp_path / "s.json"
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The harbour master logged every ship, its flag and its cargo. " * 60)
+    r = run_cli("generate", smollm2_path, "--prompt-file", doc, "--question", "What did the harbour master log?",
+                "--method", method, "--budget", "160", "--n-ctx", "288", "--max-tokens", "8",
+                "--stats-json", stats, timeout=300)
+    assert r.returncode == 0, r.stderr
+    s = json.loads(stats.read_text())
+    last_seen, before, after = s["events"][-1]
+    assert after == 160 and before > 160
+    # generated tokens add cells after it (no later compression fits in n_ctx 288), so the
+    # prompt was tokens_seen - (cells - 160) tokens: the last compression came right after it
+    assert last_seen == s["tokens_seen"] - (s["cells"] - 160)
