@@ -175,8 +175,7 @@ def _run(model: Model, layers: tuple[int, ...], frame: tuple[str, str], length: 
         body = toks[:-1]
         for i in range(0, len(body), 512):
             eng.decode(body[i : i + 512], i)
-        pos = eng.snapshot().pos
-        if not np.array_equal(pos, np.arange(len(body))):
+        if not np.array_equal(eng.cell_positions(), np.arange(len(body))):
             raise EdgekvError("llama.cpp did not lay the prompt out in cell order; cannot map attention to tokens")
         ctx.capture.want("kq_soft_max", layers)
         run = np.zeros((len(layers), model.info.n_head))

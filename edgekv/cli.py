@@ -6,6 +6,7 @@ else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from pathlib import Path
@@ -276,7 +277,7 @@ def generate(
     model: ModelArg = None,
     prompt_file: Annotated[Path | None, typer.Option("--prompt-file", "-f", help="Read the prompt from this file ('-' = stdin).")] = None,
     prompt: Annotated[str | None, typer.Option("--prompt", help="Prompt text.")] = None,
-    question: Annotated[str | None, typer.Option("--question", "-q", help="Ask this about the prompt, query-aware: it is appended to the prompt and compressed with it (attention methods see it in their observation window), and the cache is brought down to the budget once more before the answer.")] = None,
+    question: Annotated[str | None, typer.Option("--question", "-q", help="Ask this about the prompt, query-aware: it is appended to the prompt and compressed with it (attention methods see it in their observation window): with --budget the cache is brought down to the budget once more before the answer; with --ratio the prompt is compressed once after the question unless it already had to be.")] = None,
     method: MethodOpt = "streaming_llm",
     budget: BudgetOpt = None,
     ratio: RatioOpt = None,
@@ -327,8 +328,10 @@ def generate(
         prog, cb = _progress_bar("prefill")
         with prog:
             sess.feed_text(text, add_special=True, progress=cb)
-        if question is not None and sess.method.compresses:
-            sess.compress()  # the question is in the cache now: the compression can see it
+        # the question is in the cache now: one more compression sees it (in ratio mode only when
+        # the prompt did not already compress, or the ratio would apply twice)
+        if question is not None and sess.method.compresses and (sess.budget is not None or not sess.stats.compressions):
+            sess.compress()
         for piece in sess.generate(max_tokens, SamplerConfig(temperature=temperature, seed=seed)):
             sys.stdout.write(piece)
             sys.stdout.flush()
@@ -353,9 +356,12 @@ def methods() -> None:
 
 def _floats(text: str, opt: str) -> tuple[float, ...]:
     try:
-        return tuple(float(x) for x in text.split(",") if x.strip())
+        out = tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise EdgekvError(f"{opt} takes comma-separated numbers, got {text!r}") from None
+        out = (float("nan"),)
+    if not all(math.isfinite(x) for x in out):
+        raise EdgekvError(f"{opt} takes comma-separated numbers, got {text!r}")
+    return out
 
 
 @app.command()

@@ -217,8 +217,12 @@ class Session:
             n = min(self.chunk, total - done)
             self._ensure_room(n)
             part = tokens[done : done + n]
-            self.engine.decode(part, self.n_past)
-            self.n_past += n
+            before = self.engine.n_cells
+            try:
+                self.engine.decode(part, self.n_past)
+            finally:
+                if self.engine.n_cells != before:  # the cells are in, even if recording their queries failed
+                    self.n_past += n
             done += n
             s = self.stats
             s.tokens_seen += n

@@ -111,3 +111,11 @@ def test_unknown_method_and_parameter() -> None:
         get_method("nope")
     with pytest.raises(EdgekvError, match="has no parameter 'bogus'"):
         get_method("knorm", bogus=1)
+
+
+@pytest.mark.parametrize(("name", "params"), [("snapkv", {"window": 0}), ("snapkv", {"kernel": 4}),
+                                              ("chunkkv", {"chunk": 0}), ("chunkkv", {"window": 0}),
+                                              ("compresskv", {"heads": 0}), ("h2o", {"recent": 1.0})])
+def test_bad_attention_parameters_are_clear_errors(name: str, params: dict) -> None:
+    with pytest.raises(EdgekvError, match="bad parameters"):
+        _get_method(name, **params)

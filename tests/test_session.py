@@ -147,11 +147,17 @@ def test_session_file_roundtrip_and_wrong_files(smollm2, tmp_path) -> None:
     data = f.read_bytes()
     trunc = tmp_path / "trunc.ekv"
     trunc.write_bytes(data[: len(data) // 2])
+    # headers that parse as JSON but are not a session header
+    odd = []
+    for i, header in enumerate((b"[1, 2]", b'{"version": 2, "arrays": []}', b'{"version": 2, "arrays": [7]}')):
+        p = tmp_path / f"odd{i}.ekv"
+        p.write_bytes(data[:8] + len(header).to_bytes(4, "little") + header)
+        odd.append((p, "corrupt"))
     with Session(smollm2, method="knorm", budget=48, n_ctx=256, cache_type_k="q8_0",
                  cache_type_v="q8_0", flash_attn="on", n_threads=2) as s3:
         s3.feed(toks[:10])
         for path, msg in ((bad, "not an edgekv session"), (trunc, "truncated"),
-                          (f, "cache type"), (tmp_path / "missing.ekv", "does not exist")):
+                          (f, "cache type"), (tmp_path / "missing.ekv", "does not exist"), *odd):
             with pytest.raises(EdgekvError, match=msg) as e:
                 s3.load_file(path)
             assert "\n" not in str(e.value)

@@ -205,3 +205,37 @@ def test_attention_methods_run_on_gemma3_state_engine(gemma3, method) -> None:
         assert s.stats.compressions >= 1 and s.engine.n_cells <= 320
         assert s.engine.snapshot().n_layer == len(gemma3.info.global_layers)
         assert "".join(s.generate(4))
+
+
+def test_context_shift_clears_the_window(smollm2) -> None:
+    """Shifted positions break the recorded queries' positions and RoPE phases: they go."""
+    ctx = Context(smollm2, n_ctx=256, n_batch=128, n_threads=2)
+    eng = make_engine(ctx, "state")
+    eng.observe(16)
+    prefill(eng, smollm2.tokenize(TEXT, add_special=True)[:200])
+    assert eng.window.n == 16
+    eng.shift(4, 60)
+    assert eng.window.n == 0 and eng.n_cells == 140
+    ctx.close()
+
+
+def test_a_saved_window_is_adopted_by_a_session_that_was_not_recording(smollm2, tmp_path) -> None:
+    toks = smollm2.tokenize(TEXT, add_special=True)[:200]
+    with Session(smollm2, method="snapkv", budget=150, n_ctx=400) as s:
+        s.feed(toks)
+        s.save_file(tmp_path / "a.ekv")
+    with Session(smollm2, method="full", n_ctx=400) as s2:
+        assert s2.engine.window is None
+        s2.load_file(tmp_path / "a.ekv")
+        assert s2.engine.window is not None and s2.engine.window.n == 64
+        s2.use("snapkv", budget=150)
+        s2.compress()
+        assert s2.engine.n_cells == 150
+
+
+def test_h2o_refuses_a_tally_that_started_late(smollm2) -> None:
+    with Session(smollm2, method="full", n_ctx=300) as s:
+        s.feed(smollm2.tokenize(TEXT, add_special=True)[:200])
+        s.use("h2o", budget=150)  # the tally starts now: the 200 cells have none
+        with pytest.raises(EdgekvError, match="tally started later"):
+            s.compress()

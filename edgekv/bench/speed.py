@@ -164,14 +164,14 @@ def _one(model, label, ct, fa, length, grid: SpeedGrid, Session, METHODS, log) -
     toks = long_text_tokens(model, length)
     base = {"model": label, "cache_type": ct, "flash_attn": fa, "length": length, "threads": grid.threads}
     if any(METHODS[m].needs & {"queries"} for m in grid.methods):
-        base["observe"] = True
+        base["observe"] = True  # the one-shot prefill recorded the observation window (not H2O's tally)
     rows: list[dict] = []
     n_ctx = length + grid.decode_tokens + 16
     # the prefill records the queries the grid's attention methods read (its cost is in prefill_s)
+    # (H2O's tally would slow every decode of this shared session: tallying methods run in stream mode only)
     observe = max((METHODS[m]().queries_needed for m in grid.methods), default=0)
-    tally = any(METHODS[m].tallies for m in grid.methods)
     with Session(model, method="full", n_ctx=n_ctx, chunk=512, cache_type_k=ct, cache_type_v=ct,
-                 flash_attn=fa, n_threads=grid.threads, observe=observe, tally=tally) as sess:
+                 flash_attn=fa, n_threads=grid.threads, observe=observe) as sess:
         _reset_peak()
         pre = protocol.prefill(sess, toks)
         prefill_s, n_prompt = pre.seconds, pre.n_cells
@@ -185,7 +185,7 @@ def _one(model, label, ct, fa, length, grid: SpeedGrid, Session, METHODS, log) -
             f"KV {n_prompt * per_cell / 2**20:.1f} MiB")
         for m in grid.methods:
             cls = METHODS[m]
-            if not cls.compresses or getattr(cls, "shifts_positions", False):
+            if not cls.compresses or getattr(cls, "shifts_positions", False) or cls.tallies:
                 continue
             _reset_peak()
             try:

@@ -74,6 +74,8 @@ def load_cache_file(path: str | Path, engine: str) -> tuple[CacheState, dict]:
     try:
         hl = int.from_bytes(data[8:12], "little")
         header = json.loads(data[12 : 12 + hl])
+        if not isinstance(header, dict):
+            raise ValueError("the header is not an object")
         version = header.get("version")
         if version == 1:  # the bias was the only array
             bs = header.get("bias_shape")
@@ -82,18 +84,23 @@ def load_cache_file(path: str | Path, engine: str) -> tuple[CacheState, dict]:
             specs = header["arrays"]
         else:
             raise EdgekvError(f"{path}: session file version {version} is not supported")
-        shape = tuple(header["token_pos_shape"])
+        shape = tuple(int(x) for x in header["token_pos_shape"])
+        blob_len = int(header["blob_len"])
         sizes = [int(np.prod(s["shape"])) * 4 for s in specs]
-        if any(s["dtype"] not in ("f4", "i4") for s in specs):
-            raise ValueError("unknown array type")
-    except (ValueError, UnicodeDecodeError, KeyError, TypeError) as e:
+        if any(s["dtype"] not in ("f4", "i4") for s in specs) or min([blob_len, *shape, *sizes]) < 0:
+            raise ValueError("unknown array type or negative size")
+        window_spec = header.get("window")
+        if any(s["name"] == "window_q" for s in specs):
+            window_size = int(window_spec["size"])
+            window_layers = tuple(int(x) for x in window_spec["layers"])
+    except (ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
         raise EdgekvError(f"{path}: session header is corrupt or truncated ({e})") from e
     off = 12 + hl
     n_tp = int(np.prod(shape)) * 4
-    if len(data) != off + n_tp + header["blob_len"] + sum(sizes):
+    if len(data) != off + n_tp + blob_len + sum(sizes):
         raise EdgekvError(f"{path}: session file is truncated or has extra bytes")
     token_pos = np.frombuffer(data[off : off + n_tp], dtype="<i4").reshape(shape).astype(np.int32)
-    end = off + n_tp + header["blob_len"]
+    end = off + n_tp + blob_len
     blob = data[off + n_tp : end]
     arrays: dict[str, np.ndarray] = {}
     for spec, size in zip(specs, sizes, strict=True):
@@ -102,11 +109,11 @@ def load_cache_file(path: str | Path, engine: str) -> tuple[CacheState, dict]:
         end += size
     window = None
     if "window_q" in arrays:
-        w = header.get("window") or {}
         q, pos = arrays["window_q"], arrays.get("window_pos")
-        if pos is None or q.ndim != 4 or q.shape[2] != pos.shape[0] or len(w.get("layers", ())) != q.shape[0]:
+        if (pos is None or q.ndim != 4 or pos.ndim != 1 or q.shape[2] != pos.shape[0]
+                or len(window_layers) != q.shape[0] or window_size < 1):
             raise EdgekvError(f"{path}: the saved query window is inconsistent")
-        window = QueryWindow(int(w["size"]), tuple(int(x) for x in w["layers"]), q, pos)
+        window = QueryWindow(window_size, window_layers, q, pos)
     state = CacheState(blob=blob, token_pos=token_pos, engine=engine, bias=arrays.get("bias"), window=window,
                        tally=arrays.get("tally"))
     return state, header

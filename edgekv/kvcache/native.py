@@ -180,7 +180,10 @@ class NativeEngine:
         return self._portable.tally
 
     def _device_attention(self, q: np.ndarray, q_pos: np.ndarray) -> np.ndarray:
-        return self.score(q, q_pos, self.ctx.model.info.kq_scale)
+        try:
+            return self.score(q, q_pos, self.ctx.model.info.kq_scale)
+        except NativeUnsupported:  # e.g. a pending context shift: the state engine serves
+            return self._portable._host_attention(q, q_pos)
 
     def _snapshot(self) -> KVSnapshot:
         pos_cells = self.cell_positions()
@@ -207,8 +210,9 @@ class NativeEngine:
         kq_scale = self.ctx.model.info.kq_scale
         return KVSnapshot(pos=pos, token_pos=self.tokens.full(pos, self.n_layer), n_kv_head=H,
                           head_dim_k=dk, head_dim_v=dv, _section=None, _order=order, _read=read,
-                          queries=self.window, kq_scale=kq_scale, _score=score,
-                          tally=self.tally.scores if self.tally is not None else None)
+                          queries=self.window.copy() if self.window is not None else None,
+                          kq_scale=kq_scale, _score=score,
+                          tally=self.tally.scores.copy() if self.tally is not None and self.tally.complete else None)
 
     def _compact(self, keep: np.ndarray) -> None:
         pos_cells = self.cell_positions()

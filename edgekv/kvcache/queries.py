@@ -117,12 +117,15 @@ class AttentionTally:
     position order, rows as the query window's. Compactions gather it like the
     cells; cells decoded before the tally started count zero."""
 
-    def __init__(self, scores: np.ndarray) -> None:
+    def __init__(self, scores: np.ndarray, complete: bool = True) -> None:
         self.scores = np.asarray(scores, np.float64)
+        # False when cells were decoded without their queries being tallied (the tally
+        # started late, or recording failed): H2O refuses such a tally
+        self.complete = complete
 
     @classmethod
     def zeros(cls, rows: int, n_kv_head: int, n_cells: int) -> AttentionTally:
-        return cls(np.zeros((rows, n_kv_head, n_cells)))
+        return cls(np.zeros((rows, n_kv_head, n_cells)), complete=n_cells == 0)
 
     @property
     def n_cells(self) -> int:
@@ -139,9 +142,10 @@ class AttentionTally:
         self.scores = grown + attention
 
     def grow(self, n: int) -> None:
-        """Cells decoded without a score (e.g. a decode whose attention was not taken)."""
+        """Cells decoded without their attention tallied: zeros, and the tally is incomplete."""
         if n > self.n_cells:
             self.add(np.zeros(self.scores.shape[:2] + (n,)))
+            self.complete = False
 
     def compact(self, keep: np.ndarray) -> None:
         """The cells ``keep`` [rows, H, B] (or [B], the same for all) kept, in that order."""
@@ -153,9 +157,10 @@ class AttentionTally:
 
     def clear(self) -> None:
         self.scores = self.scores[:, :, :0]
+        self.complete = True
 
     def copy(self) -> AttentionTally:
-        return AttentionTally(self.scores.copy())
+        return AttentionTally(self.scores.copy(), self.complete)
 
 
 def window_attention(q: np.ndarray, q_pos: np.ndarray, k: np.ndarray, k_pos: np.ndarray, kq_scale: float,

@@ -55,10 +55,23 @@ class StateEngine:
         """Decode tokens at start_pos.. into the sequence and count the cells they take."""
         self.ctx.decode(tokens, start_pos, all_logits=all_logits, seq=self.seq)
         self.tokens.n_cells += len(tokens)
-        if self.window is not None:
+        if self.window is None:
+            return
+        try:
             q = self.window.record(self.ctx.capture, start_pos, len(tokens), want_all=self.tally is not None)
             if self.tally is not None:
                 self.tally.add(self.attention(q, np.arange(start_pos, start_pos + len(tokens), dtype=np.int32)))
+        except Exception:
+            # the cells are in; what was recorded of them is not trustworthy
+            self.window.clear()
+            if self.tally is not None:
+                self.tally.grow(self.n_cells)
+                self.tally.complete = False
+            raise
+
+    def cell_positions(self) -> np.ndarray:
+        """Positions of the sequence's cells in cell order (the columns of llama.cpp's KQ)."""
+        return self._parse().sections[0].pos.copy()
 
     def _host_attention(self, q: np.ndarray, q_pos: np.ndarray) -> np.ndarray:
         """[rows, H, n]: window attention of ``q`` over the cells, in numpy over a snapshot."""
@@ -112,6 +125,8 @@ class StateEngine:
         self.tokens.pos_shift += delta
         if self.tally is not None:
             self.tally.compact(keep)
+        if self.window is not None:  # its positions and RoPE phases belong to the old numbering
+            self.window.clear()
         return delta
 
     def reset(self) -> None:
@@ -168,9 +183,9 @@ class StateEngine:
             _order=order,
             _k_rot=self.ctx.k_rot,
             _v_rot=self.ctx.v_rot,
-            queries=self.window,
+            queries=self.window.copy() if self.window is not None else None,
             kq_scale=self.ctx.model.info.kq_scale,
-            tally=self.tally.scores if self.tally is not None else None,
+            tally=self.tally.scores.copy() if self.tally is not None and self.tally.complete else None,
         )
 
     # -- verbs -----------------------------------------------------------------
@@ -195,7 +210,8 @@ class StateEngine:
         pos = np.sort(sec.pos)
         return CacheState(blob=blob, token_pos=self.tokens.full(pos, len(sec.layers)), engine=self.name,
                           window=self.window.copy() if self.window is not None else None,
-                          tally=self.tally.scores.astype(np.float32) if self.tally is not None else None)
+                          tally=(self.tally.scores.astype(np.float32)
+                                 if self.tally is not None and self.tally.complete else None))
 
     def restore(self, state: CacheState) -> None:
         # Validate before handing llama.cpp anything: it would replace the
@@ -213,6 +229,9 @@ class StateEngine:
             raise StateLayoutError("saved attention tally does not match the saved cells")
         self.ctx.state_set(state.blob, self.seq)
         self.tokens.set(state.token_pos)
+        if state.window is not None and self.window is None and "queries" in self.capabilities:
+            # the state was recorded for an attention method: keep recording from it
+            self.observe(state.window.size, tally=state.tally is not None)
         if self.window is not None:  # an observing engine takes the saved queries (none: empty)
             w = self.window
             self.window = (state.window.resized(w.size) if state.window is not None

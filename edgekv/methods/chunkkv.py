@@ -38,7 +38,7 @@ import numpy as np
 from ..errors import BudgetError
 from ..kvcache.engine import KVSnapshot
 from .base import Method
-from .snapkv import snapkv_scores
+from .snapkv import check_window, snapkv_scores
 
 
 @dataclass
@@ -57,6 +57,7 @@ class ChunkKV(Method):
     kernel: int = 5  # per_layer mode only (SnapKV's pooling)
 
     def __post_init__(self) -> None:
+        check_window(self.window, self.kernel)
         if self.chunk < 1 or self.reuse < 1:
             raise ValueError("chunk and reuse must be at least 1")
 

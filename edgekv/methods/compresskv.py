@@ -28,7 +28,7 @@ from ..gguf_info import ModelInfo
 from ..kvcache.engine import KVSnapshot
 from ..profiles import HeadProfile, load_profile
 from .base import ScorerMethod
-from .snapkv import avg_pool
+from .snapkv import avg_pool, check_window
 
 
 @dataclass
@@ -46,6 +46,11 @@ class CompressKV(ScorerMethod):
     profile: str = ""  # a profile file; default: the one `edgekv calibrate` wrote for this model
     _profile: HeadProfile | None = field(default=None, init=False, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        check_window(self.window, self.kernel)
+        if self.heads < 1:
+            raise ValueError(f"heads must be at least 1, got {self.heads}")
+
     @property
     def queries_needed(self) -> int:
         return self.window
@@ -55,9 +60,10 @@ class CompressKV(ScorerMethod):
 
     def attach(self, info: ModelInfo) -> None:
         p = load_profile(info.path, self.profile or None)
-        if len(p.layers) != len(info.global_layers) and len(p.layers) != info.n_layer:
+        layers = list(info.global_layers) if info.is_swa_model else list(range(info.n_layer))
+        if list(p.layers) != layers or len(p.scores) != len(layers):
             raise EdgekvError(f"the CompressKV profile has {len(p.layers)} layers, {info.name} compresses "
-                              f"{len(info.global_layers)}")
+                              f"{len(layers)} ({p.model} is not this model?)")
         if any(len(row) != info.n_head for row in p.scores):
             raise EdgekvError(f"the CompressKV profile was made for {len(p.scores[0])} query heads, "
                               f"{info.name} has {info.n_head}")

@@ -55,5 +55,6 @@ class H2O(ScorerMethod):
 
     def score(self, snap: KVSnapshot, layer: int) -> np.ndarray:
         if snap.tally is None:
-            raise EdgekvError("h2o needs the attention tally, which the engine is not keeping")
+            raise EdgekvError("h2o needs the attention of every query since the sequence began, and the "
+                              "engine's tally started later (use h2o from the start, or Session(..., tally=True))")
         return snap.tally[layer]

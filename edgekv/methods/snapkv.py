@@ -45,6 +45,9 @@ class SnapKV(ScorerMethod):
     window: int = 64
     kernel: int = 5
 
+    def __post_init__(self) -> None:
+        check_window(self.window, self.kernel)
+
     @property
     def queries_needed(self) -> int:
         return self.window
@@ -52,6 +55,14 @@ class SnapKV(ScorerMethod):
     def score(self, snap: KVSnapshot, layer: int) -> np.ndarray:
         s = snapkv_scores(snap, layer, self.window, self.kernel)
         return np.concatenate([s, np.full((snap.n_kv_head, snap.n_cells - s.shape[1]), np.inf)], axis=1)
+
+
+def check_window(window: int, kernel: int) -> None:
+    """An observation window needs queries, and a centred pool an odd kernel."""
+    if window < 1:
+        raise ValueError(f"window must be at least 1 (the observation window), got {window}")
+    if kernel < 1 or kernel % 2 == 0:
+        raise ValueError(f"kernel must be odd and positive (a centred pool), got {kernel}")
 
 
 def snapkv_scores(snap: KVSnapshot, layer: int, window: int, kernel: int) -> np.ndarray:
