@@ -382,18 +382,18 @@ def calibrate(
     from .profiles import file_sha256, profile_path, save_profile
 
     try:
-        path = resolve_model(model)
-        existing = profile_path(file_sha256(path))
-        _check_writable(out, "--out")
-        if out is None and existing.is_file() and not force:
-            typer.echo(f"profile exists: {existing} (--force to calibrate again)")
-            return
         lens = tuple(int(x) for x in _floats(lengths, "--lengths"))
         deps = _floats(depths, "--depths")
         if not lens or min(lens) < 256 or not deps or not all(0.0 <= d <= 1.0 for d in deps):
             raise EdgekvError("--lengths must be >= 256 tokens and --depths in [0, 1]")
         if not 1 <= needles <= 3:
             raise EdgekvError("--needles must be 1, 2 or 3")
+        _check_writable(out, "--out")
+        path = resolve_model(model)
+        existing = profile_path(file_sha256(path))
+        if out is None and existing.is_file() and not force:
+            typer.echo(f"profile exists: {existing} (--force to calibrate again)")
+            return
         grid = CalibrationGrid(lengths=lens, depths=deps, needles=needles, threads=threads)
         typer.echo(f"calibrating {path.name}: {grid.runs()} needle runs", err=True)
 
