@@ -119,6 +119,13 @@ GEN = ["generate", "--prompt", "hi", "--max-tokens", "1"]
         pytest.param(["models", "pull", "nosuchmodel"], ["unknown model 'nosuchmodel'"], id="pull-unknown"),
         pytest.param(["info", "/nonexistent/model.gguf"], ["neither a file nor a known model"], id="info-missing"),
         pytest.param(["chat", "--method", "nosuch"], ["unknown method"], id="chat-unknown-method"),
+        pytest.param([*GEN, "--question", " "], ["question is empty"], id="empty-question"),
+        pytest.param([*GEN, "--method", "snapkv", "--param", "kernel=4"], ["kernel must be odd"], id="snapkv-even-kernel"),
+        pytest.param([*GEN, "--method", "compresskv", "--param", "profile=/nonexistent/p.json"],
+                     ["no CompressKV profile", "edgekv calibrate"], id="compresskv-no-profile"),
+        pytest.param(["calibrate", "--lengths", "inf"], ["--lengths"], id="calibrate-bad-lengths"),
+        pytest.param(["calibrate", "--depths", "1.5"], ["--depths in [0, 1]"], id="calibrate-bad-depths"),
+        pytest.param(["calibrate", "--needles", "4"], ["--needles"], id="calibrate-bad-needles"),
         # typer-level usage errors follow the same one-line contract
         pytest.param([*GEN, "--budget", "abc"], ["--budget"], id="budget-not-int"),
         pytest.param([*GEN, "--no-such-option"], ["--no-such-option"], id="unknown-option"),
