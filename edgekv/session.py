@@ -318,8 +318,9 @@ class Session:
                     f"{path} holds a {header[key]} cache ({key.replace('_', '-')}), "
                     f"this session uses cache type {getattr(self.ctx, key)}"
                 )
-        if state.bias is not None and "bias" not in self.engine.capabilities:
-            raise EdgekvError(f"{path} holds merged cells (a log-count bias), which only the native engine can load")
+        if state.bias and "bias" not in self.engine.capabilities:
+            raise EdgekvError(f"{path} holds merged cells that attention weighs by their counts (the log-count "
+                              "bias), which only the native engine applies")
         self.restore((state, header["n_past"], header["tokens_seen"]))
 
     def close(self) -> None:

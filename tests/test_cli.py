@@ -179,8 +179,10 @@ N_CTX = 256
         ("knorm", ["--budget", "128"]),
         ("streaming_llm", ["--budget", "128"]),
         ("streaming_llm", ["--ratio", "0.5"]),
+        ("chelsea", ["--budget", "128"]),
+        ("protokv", ["--budget", "128"]),
     ],
-    ids=["knorm-budget", "streaming_llm-budget", "streaming_llm-ratio"],
+    ids=["knorm-budget", "streaming_llm-budget", "streaming_llm-ratio", "chelsea-budget", "protokv-budget"],
 )
 def test_generate_long_prompt_bounded(smollm2_path, long_prompt, tmp_path, method, mode):
     stats = tmp_path / "stats.json"
@@ -234,11 +236,12 @@ QUESTIONS = [
 
 
 @pytest.mark.slow
-def test_chat_twenty_turns_bounded(smollm2_path, tmp_path):
+@pytest.mark.parametrize("method", ["knorm", "chelsea"])
+def test_chat_twenty_turns_bounded(smollm2_path, tmp_path, method):
     n_ctx = 320
     stats = tmp_path / "chat.json"
     r = run_cli(
-        "chat", "--method", "knorm", "--budget", "192", "--n-ctx", n_ctx, "--max-tokens", "24",
+        "chat", "--method", method, "--budget", "192", "--n-ctx", n_ctx, "--max-tokens", "24",
         "--temperature", "0", "--stats-json", stats,
         stdin="".join(q + "\n" for q in QUESTIONS), timeout=300,
     )

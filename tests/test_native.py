@@ -149,21 +149,17 @@ def test_merge_with_log_count_bias_equals_attention_over_unmerged_runs(smollm2, 
 
     _, err_ref = decode_probe(unmerged)
 
-    # merge each run into its first cell, then compact the rest away
-    starts = {c: int(np.flatnonzero(idx == c)[0]) for c in runs}
-    m = max(runs.values())
-    members = -np.ones((L, H, len(runs), m), dtype=np.int64)
-    for g, (c, k) in enumerate(runs.items()):
-        members[:, :, g, :k] = np.arange(starts[c], starts[c] + k)
-    weights = np.ones(members.shape, np.float32)
+    # merge each run into its first cell (the engine's merge verb drops the rest)
     first = np.ones(idx.size, bool)
     first[1:] = idx[1:] != idx[:-1]
     survivors = np.flatnonzero(first)
+    dup = np.flatnonzero(~first)
+    src = np.broadcast_to(dup, (L, H, dup.size)).copy()
+    dst = np.broadcast_to(survivors[np.searchsorted(survivors, dup) - 1], (L, H, dup.size)).copy()
 
     def merged() -> None:
         unmerged()
-        eng.merge(members, weights)
-        eng.compact(np.broadcast_to(survivors, (L, H, survivors.size)).copy())
+        eng.merge(src, dst, bias=True)
         b = eng.bias_get()
         counts = np.array([runs.get(int(c), 1) for c in idx[survivors]])
         np.testing.assert_allclose(b, np.broadcast_to(np.log(counts), b.shape), atol=1e-6)
@@ -205,7 +201,7 @@ def test_merge_with_log_count_bias_equals_attention_over_unmerged_runs(smollm2, 
     # the bias survives a save and restore (also of the session file format's state)
     merged()
     saved = eng.save()
-    assert saved.bias is not None and saved.bias.max() > 1.0
+    assert saved.bias and saved.counts.max() == max(runs.values())
     eng.reset()
 
     def restored() -> None:
@@ -267,7 +263,9 @@ def test_bad_arguments_are_refused_and_cache_kept(smollm2, toks) -> None:
     assert lib.llama_edgekv_seq_compact(c, 0, n + 1, ffi.from_buffer("int32_t[]", keep), ffi.from_buffer("int32_t[]", pos)) == -2
     assert lib.llama_edgekv_seq_read(c, 0, L, ffi.NULL, ffi.NULL, n) == -2
     with pytest.raises(EdgekvError):
-        eng.merge(-np.ones((L, H, 1, 2), np.int64), np.ones((L, H, 1, 2), np.float32))
+        eng._merge_groups(-np.ones((L, H, 1, 2), np.int64), np.ones((L, H, 1, 2), np.float32))
+    with pytest.raises(EdgekvError, match="newest"):
+        eng.merge(np.full((L, H, 1), n - 1), np.zeros((L, H, 1), np.int64), bias=True)
     with pytest.raises(EdgekvError):
         eng.bias_set(np.zeros((L, H, n + 1), np.float32))
     assert ctx.state_get() == before

@@ -62,7 +62,7 @@ def test_full_and_large_budget_match_plain_llama_cpp_greedy(smollm2, smollm2_pat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["streaming_llm", "knorm", "random"])
+@pytest.mark.parametrize("method", ["streaming_llm", "knorm", "random", "chelsea", "chelsea_nobias", "protokv"])
 def test_prompt_four_times_n_ctx_stays_bounded(smollm2, method: str) -> None:
     n_ctx, budget = 256, 128
     text = " ".join(f"Record {i}: the ship {i % 7} carried {i * 3} barrels of oil." for i in range(120))

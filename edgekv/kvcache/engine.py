@@ -62,6 +62,10 @@ class KVSnapshot:
     _score: Callable[[np.ndarray, np.ndarray, int], np.ndarray] | None = field(default=None, repr=False)
     # H2O's accumulated attention per (layer, KV head, cell), when the engine tallies it
     tally: np.ndarray | None = None
+    # how many tokens each (layer, KV head, cell) stands for (merging methods), float32
+    # [n_layer, n_kv_head, n_cells]; None: one each. ``bias``: attention adds log(counts)
+    counts: np.ndarray | None = None
+    bias: bool = False
     _attn: dict[tuple[int, int], np.ndarray] = field(default_factory=dict, repr=False)
     scored_layers: list[int] = field(default_factory=list, repr=False)  # in the order they were scored
 
@@ -72,6 +76,16 @@ class KVSnapshot:
     @property
     def n_layer(self) -> int:
         return int(self.token_pos.shape[0])
+
+    def cell_counts(self, layer: int) -> np.ndarray:
+        """float32 [n_kv_head, n_cells]: tokens each cell of ``layer`` stands for (1 unless merged)."""
+        if self.counts is None:
+            return np.ones((self.n_kv_head, self.n_cells), np.float32)
+        return self.counts[layer]
+
+    def log_counts(self, layer: int) -> np.ndarray | None:
+        """The bias attention adds to ``layer``'s logits: log(counts) when the engine applies it."""
+        return np.log(self.counts[layer]) if self.bias and self.counts is not None else None
 
     def window_attention(self, layer: int, n_queries: int) -> np.ndarray:
         """float64 [n_kv_head, n_cells]: the attention the newest ``n_queries`` window
@@ -87,7 +101,8 @@ class KVSnapshot:
             if self._score is not None:
                 a = self._score(q, q_pos, layer)
             else:
-                a = window_attention(q[layer], q_pos, self.keys(layer), self.pos, self.kq_scale)
+                a = window_attention(q[layer], q_pos, self.keys(layer), self.pos, self.kq_scale,
+                                     self.log_counts(layer))
             self._attn[key] = np.asarray(a, np.float64)
             self.scored_layers.append(layer)
         return self._attn[key]
@@ -134,7 +149,8 @@ class KVSnapshot:
     @classmethod
     def from_arrays(cls, keys: list[np.ndarray], values: list[np.ndarray],
                     token_pos: np.ndarray | None = None, queries: QueryWindow | None = None,
-                    kq_scale: float = 0.0, tally: np.ndarray | None = None) -> KVSnapshot:
+                    kq_scale: float = 0.0, tally: np.ndarray | None = None,
+                    counts: np.ndarray | None = None) -> KVSnapshot:
         """A snapshot of given float K/V ([n, H, d] per layer), for tests,
         benchmarks and the papers' test vectors: methods cannot tell it from
         one read out of llama.cpp."""
@@ -146,7 +162,8 @@ class KVSnapshot:
                    head_dim_v=dv, _section=None, _order=None,
                    _k={i: np.asarray(k, np.float32) for i, k in enumerate(keys)},
                    _v={i: np.asarray(v, np.float32) for i, v in enumerate(values)},
-                   queries=queries, kq_scale=kq_scale or 1.0 / np.sqrt(dk), tally=tally)
+                   queries=queries, kq_scale=kq_scale or 1.0 / np.sqrt(dk), tally=tally,
+                   counts=None if counts is None else np.asarray(counts, np.float32))
 
     def keys(self, layer: int) -> np.ndarray:
         """float32 [n_cells, n_kv_head, head_dim_k] (post-RoPE, as cached)."""
@@ -195,16 +212,18 @@ def _unrotate(x: np.ndarray, block: int) -> np.ndarray:
 class CacheState:
     """A saved sequence: llama.cpp's blob plus the engine's token map.
 
-    ``bias`` is the native engine's log-count bias [n_layer, n_kv_head, n_cells]
-    (position order) when merged cells exist; llama.cpp's blob does not carry it.
-    ``window`` is the observation window when the engine records one, ``tally``
-    the accumulated attention when it tallies (H2O).
+    ``counts`` [n_layer, n_kv_head, n_cells] (position order) says how many
+    tokens each merged cell stands for, and ``bias`` whether attention adds
+    their log (the native engine's log-count bias); llama.cpp's blob carries
+    neither. ``window`` is the observation window when the engine records one,
+    ``tally`` the accumulated attention when it tallies (H2O).
     """
 
     blob: bytes
     token_pos: np.ndarray
     engine: str
-    bias: np.ndarray | None = None
+    counts: np.ndarray | None = None
+    bias: bool = False
     window: QueryWindow | None = None
     tally: np.ndarray | None = None  # float32 [rows, n_kv_head, n_cells], position order
 
@@ -223,6 +242,8 @@ class KVEngine(Protocol):
 
     name: str
     capabilities: frozenset[str]  # of "merge", "score", "read", "bias", "queries"
+    # merge(src, dst, bias=): fold cell src[l, h, i] into dst[l, h, i] (count-weighted means of
+    # K and V) and drop the sources; with ``bias`` attention adds log(count) (native engine only)
     window: QueryWindow | None  # the observation window, while ``observe`` keeps one
     tally: AttentionTally | None  # accumulated attention, while ``observe(..., tally=True)`` keeps one
 
@@ -245,6 +266,8 @@ class KVEngine(Protocol):
 
     def observe(self, size: int, *, tally: bool = False) -> None: ...
 
+    def merge(self, src: np.ndarray, dst: np.ndarray, *, bias: bool) -> None: ...
+
 
 @dataclass
 class TokenMap:
@@ -259,12 +282,15 @@ class TokenMap:
     token_pos: np.ndarray = field(init=False)
     n_cells: int = 0
     pos_shift: int = 0
+    # tokens each tracked cell stands for after merges, float32 like token_pos; None: one each
+    counts: np.ndarray | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
         self.token_pos = np.zeros((0, self.n_kv_head, 0), dtype=np.int32)
+        self.counts = None
         self.n_cells = 0
         self.pos_shift = 0
 
@@ -279,10 +305,28 @@ class TokenMap:
         tp[:, :, m:] = pos_sorted[m:] + self.pos_shift
         return tp
 
-    def set(self, token_pos: np.ndarray) -> None:
-        """After a compaction or restore: exactly these cells, in position order."""
+    def full_counts(self, n_layer: int, n: int) -> np.ndarray | None:
+        """float32 [n_layer, n_kv_head, n]: the tracked counts, cells decoded since count 1;
+        None while nothing was merged."""
+        if self.counts is None:
+            return None
+        out = np.ones((n_layer, self.n_kv_head, n), np.float32)
+        out[:, :, : self.counts.shape[2]] = self.counts
+        return out
+
+    def set(self, token_pos: np.ndarray, counts: np.ndarray | None = None) -> None:
+        """After a compaction, merge or restore: exactly these cells, in position order."""
         self.token_pos = np.asarray(token_pos, dtype=np.int32).copy()
         self.n_cells = int(self.token_pos.shape[-1])
+        if counts is not None and counts.shape != self.token_pos.shape:
+            raise EdgekvError(f"merge counts shaped {counts.shape} do not match the cells {self.token_pos.shape}")
+        self.counts = None if counts is None or np.all(counts == 1) else np.asarray(counts, np.float32).copy()
+
+    def compacted(self, pos_sorted: np.ndarray, n_layer: int, keep: np.ndarray) -> None:
+        """Track a compaction to ``keep`` (checked indices into the position-sorted cells)."""
+        counts = self.full_counts(n_layer, pos_sorted.shape[0])
+        self.set(np.take_along_axis(self.full(pos_sorted, n_layer), keep, axis=2),
+                 None if counts is None else np.take_along_axis(counts, keep, axis=2))
 
 
 def check_keep(keep: np.ndarray, n_layer: int, n_kv_head: int, n_cells: int) -> np.ndarray:
@@ -323,3 +367,77 @@ def compacted_positions(pos: np.ndarray, keep: np.ndarray) -> np.ndarray:
     return pos[keep].reshape(-1, keep.shape[2]).min(axis=0).astype(np.int32)
 
 
+
+
+def check_merge(src: np.ndarray, dst: np.ndarray, n_layer: int, n_kv_head: int,
+                n_cells: int) -> tuple[np.ndarray, np.ndarray]:
+    """Validate a merge: ``src`` and ``dst`` int [n_layer, n_kv_head, m] (cells in
+    position order), the same m everywhere so the heads stay equally long; sources
+    distinct per head, never a destination, never the newest cell (it carries pos_max)."""
+    src, dst = np.asarray(src), np.asarray(dst)
+    if src.ndim != 3 or src.shape[:2] != (n_layer, n_kv_head) or dst.shape != src.shape:
+        raise EdgekvError(f"merge sources and destinations must both be [n_layer={n_layer}, "
+                          f"n_kv_head={n_kv_head}, m], got {src.shape} and {dst.shape}")
+    if not (np.issubdtype(src.dtype, np.integer) and np.issubdtype(dst.dtype, np.integer)):
+        raise EdgekvError("merge cells must be integers")
+    src, dst = src.astype(np.int64), dst.astype(np.int64)
+    m = src.shape[2]
+    if m < 1 or m >= n_cells:
+        raise EdgekvError(f"cannot merge {m} of {n_cells} cells away")
+    if min(src.min(), dst.min()) < 0 or max(src.max(), dst.max()) >= n_cells:
+        raise EdgekvError(f"merge cells out of range [0, {n_cells})")
+    s = np.sort(src, axis=2)
+    if m > 1 and not np.all(np.diff(s, axis=2) > 0):
+        raise EdgekvError("a cell can be merged away only once per (layer, head)")
+    if np.any(s[:, :, -1] == n_cells - 1):
+        raise EdgekvError("the newest cell cannot be merged away (it carries pos_max)")
+    for lh in np.ndindex(n_layer, n_kv_head):
+        if np.isin(dst[lh], s[lh], assume_unique=False).any():
+            raise EdgekvError("a merge destination cannot be a source of the same merge")
+    return src, dst
+
+
+def merge_keep(src: np.ndarray, n_cells: int) -> np.ndarray:
+    """int64 [n_layer, n_kv_head, n_cells - m]: the cells a merge keeps, ascending."""
+    alive = np.ones(src.shape[:2] + (n_cells,), bool)
+    np.put_along_axis(alive, src, False, axis=2)
+    return np.nonzero(alive)[2].reshape(src.shape[0], src.shape[1], n_cells - src.shape[2])
+
+
+def merged_counts(counts: np.ndarray | None, src: np.ndarray, dst: np.ndarray, n_cells: int) -> np.ndarray:
+    """float32 [n_layer, n_kv_head, n_cells]: counts after the merge, sources not yet removed."""
+    out = (np.ones(src.shape[:2] + (n_cells,), np.float32) if counts is None
+           else np.array(counts, np.float32))
+    for lh in np.ndindex(*src.shape[:2]):
+        np.add.at(out[lh], dst[lh], out[lh][src[lh]])
+    return out
+
+
+def average_rows(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """float32 [G, d]: the w-weighted mean of each group's rows ``x`` [G, M, d], computed
+    as the native merge op does (weights normalised in float64 and rounded to float32,
+    float32 products, a float64 running sum), so both engines write the same bytes."""
+    w = np.asarray(w, np.float64)
+    wn = (w / w.sum(axis=1, keepdims=True)).astype(np.float32)
+    prod = (np.asarray(x, np.float32) * wn[:, :, None]).astype(np.float64)
+    return np.cumsum(prod, axis=1)[:, -1].astype(np.float32)
+
+
+def merge_groups(src: np.ndarray, dst: np.ndarray) -> list[np.ndarray]:
+    """One (layer, head)'s merge as groups: int64 [G, M] arrays, each row a destination
+    followed by its sources in ascending order, padded with -1. Groups are binned by size
+    (M a power of two) so that one large group does not pad every other."""
+    order = np.lexsort((src, dst))
+    d, s = dst[order], src[order]
+    starts = np.flatnonzero(np.r_[True, d[1:] != d[:-1]])
+    sizes = np.diff(np.r_[starts, d.size]) + 1  # the destination and its sources
+    width = 1 << np.ceil(np.log2(sizes)).astype(int)
+    out = []
+    for w in np.unique(width):
+        idx = np.flatnonzero(width == w)
+        g = -np.ones((idx.size, int(w)), np.int64)
+        g[:, 0] = d[starts[idx]]
+        for row, i in enumerate(idx):
+            g[row, 1 : sizes[i]] = s[starts[i] : starts[i] + sizes[i] - 1]
+        out.append(g)
+    return out

@@ -3,17 +3,19 @@
 Like mlx-lm's ``save_prompt_cache`` / ``load_prompt_cache``: module functions
 beside the cache state. The header says what the cells were made with (model,
 cache types, positions); the caller checks it against the live session before
-anything touches the cache. Layout (version 2)::
+anything touches the cache. Layout (version 3)::
 
     b"EDGEKV\\x00\\x01"  u32 header length  header (JSON)
     token map  int32 little-endian, header["token_pos_shape"]
     llama.cpp's sequence blob, header["blob_len"] bytes
     then each array of header["arrays"] in order, little-endian, as
-    {"name", "dtype" ("f4"/"i4"), "shape"}: "bias" (the log-count bias of merged
-    cells), "window_q" and "window_pos" (the observation window; its size and
-    layers in header["window"]), "tally" (H2O's accumulated attention)
+    {"name", "dtype" ("f4"/"i4"), "shape"}: "counts" (how many tokens each merged
+    cell stands for; header["bias"] says whether attention adds their log),
+    "window_q" and "window_pos" (the observation window; its size and layers in
+    header["window"]), "tally" (H2O's accumulated attention)
 
-Version 1 files (the bias only, as header["bias_shape"]) still load.
+Version 2 files (a "bias" array: the log of the counts, applied in attention)
+and version 1 files (that bias only, as header["bias_shape"]) still load.
 """
 
 from __future__ import annotations
@@ -28,13 +30,13 @@ from .engine import CacheState
 from .queries import QueryWindow
 
 MAGIC = b"EDGEKV\x00\x01"
-VERSION = 2
+VERSION = 3
 
 
 def _arrays(state: CacheState) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
-    if state.bias is not None:
-        out["bias"] = state.bias.astype("<f4")
+    if state.counts is not None:
+        out["counts"] = state.counts.astype("<f4")
     if state.window is not None:
         out["window_q"] = state.window.q.astype("<f4")
         out["window_pos"] = state.window.pos.astype("<i4")
@@ -47,7 +49,7 @@ def save_cache_file(path: str | Path, state: CacheState, header: dict) -> None:
     """Write atomically (a ``.part`` file renamed into place)."""
     arrays = _arrays(state)
     header = {**header, "version": VERSION, "token_pos_shape": list(state.token_pos.shape),
-              "blob_len": len(state.blob),
+              "blob_len": len(state.blob), "bias": bool(state.bias),
               "arrays": [{"name": k, "dtype": a.dtype.str[1:], "shape": list(a.shape)} for k, a in arrays.items()]}
     if state.window is not None:
         header["window"] = {"size": state.window.size, "layers": list(state.window.layers)}
@@ -80,7 +82,7 @@ def load_cache_file(path: str | Path, engine: str) -> tuple[CacheState, dict]:
         if version == 1:  # the bias was the only array
             bs = header.get("bias_shape")
             specs = [{"name": "bias", "dtype": "f4", "shape": bs}] if bs else []
-        elif version == VERSION:
+        elif version in (2, VERSION):
             specs = header["arrays"]
         else:
             raise EdgekvError(f"{path}: session file version {version} is not supported")
@@ -114,6 +116,11 @@ def load_cache_file(path: str | Path, engine: str) -> tuple[CacheState, dict]:
                 or len(window_layers) != q.shape[0] or window_size < 1):
             raise EdgekvError(f"{path}: the saved query window is inconsistent")
         window = QueryWindow(window_size, window_layers, q, pos)
-    state = CacheState(blob=blob, token_pos=token_pos, engine=engine, bias=arrays.get("bias"), window=window,
+    counts, bias = arrays.get("counts"), bool(header.get("bias", False))
+    if "bias" in arrays:  # versions 1 and 2 kept the log of the counts, always applied
+        counts, bias = np.exp(arrays["bias"]).round().astype(np.float32), True
+    if counts is not None and counts.shape != token_pos.shape:
+        raise EdgekvError(f"{path}: the saved merge counts do not match the saved cells")
+    state = CacheState(blob=blob, token_pos=token_pos, engine=engine, counts=counts, bias=bias, window=window,
                        tally=arrays.get("tally"))
     return state, header

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import StateLayoutError
+from .quant import dequantize, quantize
 
 STATE_SEQ_MAGIC = 0xAF143CD8
 
@@ -289,3 +290,44 @@ def gather_section(sec: CacheSection, order: np.ndarray, keep: np.ndarray, pos: 
         n_stream=sec.n_stream, stream=sec.stream, pos=pos.astype(np.int32), cell_ext=None,
         v_trans=sec.v_trans, layers=layers,
     )
+
+
+def _head_views(sec: CacheSection, layer: int, head: int, n_kv_head: int) -> tuple[np.ndarray, np.ndarray]:
+    """Byte views of one KV head's K rows [n_cells, bytes] and V rows ([n_cells, bytes],
+    or [dv, n_cells, elem] when V is transposed)."""
+    ld = sec.layers[layer]
+    k = ld.k.reshape(sec.n_cells, n_kv_head, ld.k_row_bytes // n_kv_head)[:, head]
+    if sec.v_trans:
+        v = ld.v.reshape(n_kv_head, ld.n_embd_v // n_kv_head, sec.n_cells, ld.v_elem_size)[head]
+    else:
+        v = ld.v.reshape(sec.n_cells, n_kv_head, ld.v_row_bytes // n_kv_head)[:, head]
+    return k, v
+
+
+def head_rows(sec: CacheSection, layer: int, head: int, cells: np.ndarray, n_kv_head: int,
+              head_dim_k: int, head_dim_v: int) -> tuple[np.ndarray, np.ndarray]:
+    """float32 K [m, head_dim_k] and V [m, head_dim_v] of one KV head at blob cells ``cells``,
+    dequantised but as stored (still Hadamard-rotated where llama.cpp rotates)."""
+    ld = sec.layers[layer]
+    k, v = _head_views(sec, layer, head, n_kv_head)
+    kf = dequantize(k[cells], ld.k_type, head_dim_k)
+    if sec.v_trans:
+        vb = np.ascontiguousarray(v[:, cells].transpose(1, 0, 2)).reshape(len(cells), -1)
+    else:
+        vb = v[cells]
+    return kf, dequantize(vb, ld.v_type, head_dim_v)
+
+
+def set_head_rows(sec: CacheSection, layer: int, head: int, cells: np.ndarray, k: np.ndarray, v: np.ndarray,
+                  n_kv_head: int) -> None:
+    """Write float rows (as stored: rotated where llama.cpp rotates) into one KV head at blob
+    cells ``cells``, quantised to the cache's types. The section's arrays must be writable
+    (``gather_section`` builds such a section)."""
+    ld = sec.layers[layer]
+    kv, vv = _head_views(sec, layer, head, n_kv_head)
+    kv[cells] = quantize(k, ld.k_type)
+    vb = quantize(v, ld.v_type)
+    if sec.v_trans:
+        vv[:, cells] = vb.reshape(len(cells), -1, ld.v_elem_size).transpose(1, 0, 2)
+    else:
+        vv[cells] = vb

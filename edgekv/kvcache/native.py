@@ -17,13 +17,25 @@ without it, or on a cache the ops do not handle (iSWA, several sequences),
 from __future__ import annotations
 
 import ctypes
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from ..errors import EdgekvError, StateLayoutError
 from ..llama import Context
-from .engine import CacheState, KVSnapshot, _unrotate, check_keep, compacted_positions, hadamard
+from .engine import (
+    CacheState,
+    KVSnapshot,
+    _unrotate,
+    check_keep,
+    check_merge,
+    compacted_positions,
+    hadamard,
+    merge_groups,
+    merge_keep,
+    merged_counts,
+)
 from .queries import AttentionTally, QueryWindow
 from .state import StateEngine
 
@@ -101,6 +113,7 @@ class NativeEngine:
             raise NativeUnsupported(f"native engine: {_ERRORS.get(rc, rc)}")
         self.n_layer, n_head_kv, hk, hv, self.kv_size = (int(x) for x in out)
         self._gen = 0  # bumped whenever the cache changes; a snapshot reads lazily and must not outlive it
+        self._biased = False  # attention adds log(counts): merged cells weigh what they stand for
         if (n_head_kv, hk, hv) != (self.n_kv_head, self.head_dim_k, self.head_dim_v):
             raise NativeUnsupported("native engine: the cache's geometry differs from the model's")
 
@@ -162,6 +175,7 @@ class NativeEngine:
 
     def reset(self) -> None:
         self._gen += 1
+        self._biased = False
         self._portable.reset()
 
     def shift(self, n_keep: int, n_discard: int) -> int:
@@ -212,7 +226,8 @@ class NativeEngine:
                           head_dim_k=dk, head_dim_v=dv, _section=None, _order=order, _read=read,
                           queries=self.window.copy() if self.window is not None else None,
                           kq_scale=kq_scale, _score=score,
-                          tally=self.tally.scores.copy() if self.tally is not None and self.tally.complete else None)
+                          tally=self.tally.scores.copy() if self.tally is not None and self.tally.complete else None,
+                          counts=self.tokens.full_counts(self.n_layer, n), bias=self._biased)
 
     def _compact(self, keep: np.ndarray) -> None:
         pos_cells = self.cell_positions()
@@ -220,29 +235,66 @@ class NativeEngine:
         pos = pos_cells[order]
         keep = check_keep(keep, self.n_layer, self.n_kv_head, pos.shape[0])
         new_pos = np.ascontiguousarray(compacted_positions(pos, keep), dtype=np.int32)
-        new_tp = np.take_along_axis(self.tokens.full(pos, self.n_layer), keep, axis=2)
         cells = np.ascontiguousarray(order[keep], dtype=np.int32)
         b = keep.shape[2]
         self._check(self.lib.llama_edgekv_seq_compact(self._c, self.seq, b, self._i32(cells), self._i32(new_pos)),
                     "compact")
-        self.tokens.set(new_tp)
-        if self.tally is not None:
-            self.tally.compact(keep)
+        self._portable._compacted(pos, keep)
+
+    def merge(self, src: np.ndarray, dst: np.ndarray, *, bias: bool = True) -> None:
+        """Fold each source cell into its destination per (layer, KV head) and drop the
+        sources. With ``bias`` the count-weighted means are computed on the device
+        (``llama_edgekv_seq_merge``, re-quantised by ``ggml_set_rows``) and attention adds
+        log(count) from now on; without, the state engine's host merge serves and
+        attention weighs every cell as one token (it writes the same bytes)."""
+        self._gen += 1
+        if not bias:
+            self._portable.merge(src, dst)
+            self._biased = False  # a state write zeroes the device bias of every cell it writes
+            return
+        pos = np.sort(self.cell_positions())
+        n = pos.shape[0]
+        src, dst = check_merge(src, dst, self.n_layer, self.n_kv_head, n)
+        old = self.tokens.full_counts(self.n_layer, n)
+        old = np.ones((self.n_layer, self.n_kv_head, n), np.float32) if old is None else old
+        self._merge_in_place(src, dst, old)
+        self.tokens.set(self.tokens.full(pos, self.n_layer), merged_counts(old, src, dst, n))
+        self._compact(merge_keep(src, n))
+        # the op kept log(count) in float32; the host counts are exact, so the device copies them
+        self.bias_set(np.log(self.tokens.full_counts(self.n_layer, self.n_cells)))
+        self._biased = True
+
+    def _merge_in_place(self, src: np.ndarray, dst: np.ndarray, counts: np.ndarray) -> None:
+        """Run the device merge, one call per group width (``merge_groups``); (layer, head)s
+        with fewer groups of a width are padded with groups of one source cell, which
+        rewrite that cell unchanged before the compaction drops it."""
+        L, H = self.n_layer, self.n_kv_head
+        groups = {(il, h): merge_groups(src[il, h], dst[il, h]) for il, h in np.ndindex(L, H)}
+        widths = sorted({g.shape[1] for gs in groups.values() for g in gs})
+        for w in widths:
+            rows = {lh: next((g for g in gs if g.shape[1] == w), np.zeros((0, w), np.int64))
+                    for lh, gs in groups.items()}
+            n_group = max(r.shape[0] for r in rows.values())
+            members = -np.ones((L, H, n_group, w), np.int64)
+            members[..., 0] = src[:, :, :1]
+            for (il, h), r in rows.items():
+                members[il, h, : r.shape[0]] = r
+            weights = np.where(members >= 0, np.take_along_axis(
+                counts, np.maximum(members, 0).reshape(L, H, -1), axis=2).reshape(members.shape), 0.0)
+            self._merge_groups(members, weights.astype(np.float32))
 
     def save(self) -> CacheState:
         state = self._portable.save()
-        if self.bias_enabled:
-            state.bias = self.bias_get(cell_order=False)
+        state.bias = self._biased and state.counts is not None
         return state
 
     def restore(self, state: CacheState) -> None:
-        if state.bias is not None and state.bias.shape != (self.n_layer, self.n_kv_head, state.n_cells):
-            raise StateLayoutError("saved log-count bias does not match the saved cells")
         self._gen += 1
-        self._portable.restore(state)
+        self._portable.restore(replace(state, bias=False))
         # llama.cpp zeroes the bias of every cell a restore writes (apply_ubatch, patch 0003)
-        if state.bias is not None:
-            self.bias_set(state.bias, cell_order=False)
+        self._biased = state.bias and state.counts is not None
+        if self._biased:
+            self.bias_set(np.log(state.counts), cell_order=False)
 
     # -- native-only ops -------------------------------------------------------
     def _to_cells(self, a: np.ndarray) -> np.ndarray:
@@ -288,8 +340,9 @@ class NativeEngine:
         bias = np.ascontiguousarray(bias if cell_order else self._to_cells(bias))
         self._check(self.lib.llama_edgekv_seq_bias_set(self._c, self.seq, self._f32(bias), self.n_cells), "bias_set")
 
-    def merge(self, members: np.ndarray, weights: np.ndarray) -> None:
-        """Average groups of cells per (layer, head) into each group's first member.
+    def _merge_groups(self, members: np.ndarray, weights: np.ndarray) -> None:
+        """The raw device op: average groups of cells per (layer, head) into each group's
+        first member (``merge`` drives it and keeps the counts).
 
         ``members`` int [n_layer, n_kv_head, n_group, n_member] (cells in position
         order, -1 = unused) and ``weights`` float of the same shape. The merged cell's

@@ -14,7 +14,18 @@ import numpy as np
 from ..errors import EdgekvError, StateLayoutError
 from ..llama import Context
 from . import layout
-from .engine import CacheState, KVSnapshot, TokenMap, check_keep, compacted_positions
+from .engine import (
+    CacheState,
+    KVSnapshot,
+    TokenMap,
+    average_rows,
+    check_keep,
+    check_merge,
+    compacted_positions,
+    merge_groups,
+    merge_keep,
+    merged_counts,
+)
 from .quant import row_size
 from .queries import AttentionTally, QueryWindow, window_attention
 
@@ -43,8 +54,9 @@ class StateEngine:
         self.tally: AttentionTally | None = None
         # how a decode's queries become attention over the cells (the native engine puts its device op here)
         self.attention = self._host_attention
-        # "queries": the context's tensor capture can record the observation window
-        self.capabilities = frozenset({"queries"}) if ctx.capture is not None else frozenset()
+        # "merge": numpy over the blob; "queries": the context's tensor capture can record
+        # the observation window
+        self.capabilities = frozenset({"merge", "queries"} if ctx.capture is not None else {"merge"})
 
     # -- accounting ------------------------------------------------------------
     @property
@@ -76,7 +88,7 @@ class StateEngine:
     def _host_attention(self, q: np.ndarray, q_pos: np.ndarray) -> np.ndarray:
         """[rows, H, n]: window attention of ``q`` over the cells, in numpy over a snapshot."""
         snap = self.snapshot()
-        return np.stack([window_attention(q[r], q_pos, snap.keys(r), snap.pos, snap.kq_scale)
+        return np.stack([window_attention(q[r], q_pos, snap.keys(r), snap.pos, snap.kq_scale, snap.log_counts(r))
                          for r in range(snap.n_layer)])
 
     def observe(self, size: int, *, tally: bool = False) -> None:
@@ -121,7 +133,7 @@ class StateEngine:
             raise EdgekvError("llama.cpp refused to remove the shifted range")
         self.ctx.seq_add(self.seq, p1, -1, -delta)
         keep = np.concatenate([np.arange(n_keep), np.arange(n_keep + n_discard, snap.n_cells)])
-        self.tokens.set(snap.token_pos[:, :, keep])
+        self.tokens.set(snap.token_pos[:, :, keep], None if snap.counts is None else snap.counts[:, :, keep])
         self.tokens.pos_shift += delta
         if self.tally is not None:
             self.tally.compact(keep)
@@ -186,6 +198,7 @@ class StateEngine:
             queries=self.window.copy() if self.window is not None else None,
             kq_scale=self.ctx.model.info.kq_scale,
             tally=self.tally.scores.copy() if self.tally is not None and self.tally.complete else None,
+            counts=self.tokens.full_counts(len(sec.layers), sec.n_cells),
         )
 
     # -- verbs -----------------------------------------------------------------
@@ -195,13 +208,50 @@ class StateEngine:
         order = np.argsort(sec.pos, kind="stable")
         pos = sec.pos[order]
         keep = check_keep(keep, len(sec.layers), self.n_kv_head, sec.n_cells)
-        new_pos = compacted_positions(pos, keep)
-        new_tp = np.take_along_axis(self.tokens.full(pos, len(sec.layers)), keep, axis=2)
-        st.sections[0] = layout.gather_section(sec, order, keep, new_pos, self.n_kv_head)
+        st.sections[0] = layout.gather_section(sec, order, keep, compacted_positions(pos, keep), self.n_kv_head)
         self.ctx.state_set(layout.write_seq_state(st), self.seq)
-        self.tokens.set(new_tp)
+        self._compacted(pos, keep)
+
+    def _compacted(self, pos: np.ndarray, keep: np.ndarray) -> None:
+        self.tokens.compacted(pos, keep.shape[0], keep)
         if self.tally is not None:
             self.tally.compact(keep)
+
+    def merge(self, src: np.ndarray, dst: np.ndarray, *, bias: bool = False) -> None:
+        """Fold each source cell into its destination, per (layer, KV head): count-weighted
+        means of K and V, re-quantised into the cache's type (in its own, possibly
+        Hadamard-rotated, space: averaging commutes with the rotation); then drop the
+        sources. The counts stay on the host; attention here cannot weigh them."""
+        if bias:
+            raise EdgekvError("attention that weighs merged cells by their counts (the log-count bias) needs "
+                              "the native engine; the state engine merges without it")
+        st = self._parse()
+        sec = st.sections[0]
+        order = np.argsort(sec.pos, kind="stable")
+        pos = sec.pos[order]
+        n, n_layer, H = sec.n_cells, len(sec.layers), self.n_kv_head
+        src, dst = check_merge(src, dst, n_layer, H, n)
+        old = self.tokens.full_counts(n_layer, n)
+        old = np.ones((n_layer, H, n), np.float32) if old is None else old
+        merged = {}
+        for il, h in np.ndindex(n_layer, H):
+            dsts, ks, vs = [], [], []
+            for g in merge_groups(src[il, h], dst[il, h]):
+                cells = np.where(g >= 0, g, g[:, :1])
+                w = np.where(g >= 0, old[il, h][cells], 0.0)
+                k, v = layout.head_rows(sec, il, h, order[cells.ravel()], H, self.head_dim_k, self.head_dim_v)
+                ks.append(average_rows(k.reshape(*g.shape, -1), w))
+                vs.append(average_rows(v.reshape(*g.shape, -1), w))
+                dsts.append(g[:, 0])
+            merged[il, h] = (np.concatenate(dsts), np.concatenate(ks), np.concatenate(vs))
+        keep = merge_keep(src, n)
+        new = layout.gather_section(sec, order, keep, compacted_positions(pos, keep), H)
+        for (il, h), (d, k, v) in merged.items():
+            layout.set_head_rows(new, il, h, np.searchsorted(keep[il, h], d), k, v, H)
+        st.sections[0] = new
+        self.ctx.state_set(layout.write_seq_state(st), self.seq)
+        self.tokens.set(self.tokens.full(pos, n_layer), merged_counts(old, src, dst, n))
+        self._compacted(pos, keep)
 
     def save(self) -> CacheState:
         blob = self.ctx.state_get(self.seq)
@@ -209,6 +259,7 @@ class StateEngine:
         sec = st.sections[0]
         pos = np.sort(sec.pos)
         return CacheState(blob=blob, token_pos=self.tokens.full(pos, len(sec.layers)), engine=self.name,
+                          counts=self.tokens.full_counts(len(sec.layers), sec.n_cells),
                           window=self.window.copy() if self.window is not None else None,
                           tally=(self.tally.scores.astype(np.float32)
                                  if self.tally is not None and self.tally.complete else None))
@@ -227,8 +278,13 @@ class StateEngine:
             raise StateLayoutError("saved query window does not match this model's layers")
         if state.tally is not None and state.tally.shape != (len(self.layers), self.n_kv_head, state.n_cells):
             raise StateLayoutError("saved attention tally does not match the saved cells")
+        if state.counts is not None and state.counts.shape != state.token_pos.shape:
+            raise StateLayoutError("saved merge counts do not match the saved cells")
+        if state.bias:
+            raise EdgekvError("this state's merged cells are weighed by their counts in attention (the "
+                              "log-count bias), which only the native engine applies")
         self.ctx.state_set(state.blob, self.seq)
-        self.tokens.set(state.token_pos)
+        self.tokens.set(state.token_pos, state.counts)
         if state.window is not None and self.window is None and "queries" in self.capabilities:
             # the state was recorded for an attention method: keep recording from it
             self.observe(state.window.size, tally=state.tally is not None)

@@ -10,6 +10,8 @@ import dataclasses
 
 from ..errors import EdgekvError
 from .base import Method, ScorerMethod
+from .chelsea import Chelsea
+from .chelsea_nobias import ChelseaNoBias
 from .chunkkv import ChunkKV
 from .compresskv import CompressKV
 from .context_shift import ContextShift
@@ -17,12 +19,15 @@ from .full import Full
 from .h2o import H2O
 from .knorm import Knorm
 from .lagkv import LagKV
+from .protokv import ProtoKV
 from .random import Random
 from .snapkv import SnapKV
 from .streaming_llm import StreamingLLM
 
 METHODS: dict[str, type[Method]] = {
-    cls.name: cls for cls in (Full, StreamingLLM, Knorm, Random, ContextShift, LagKV, SnapKV, ChunkKV, H2O, CompressKV)
+    cls.name: cls
+    for cls in (Full, StreamingLLM, Knorm, Random, ContextShift, LagKV, SnapKV, ChunkKV, H2O, CompressKV,
+                ProtoKV, Chelsea, ChelseaNoBias)
 }
 
 

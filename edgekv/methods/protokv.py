@@ -1,0 +1,222 @@
+"""ProtoKV ("ProtoKV: A Hybrid Semantic Prototype-based Framework for Efficient
+KV Cache Compression", an anonymous ACL submission with no arXiv id; notes in
+docs/methods.md).
+
+SnapKV's observation-window vote, smoothed over clusters of keys instead of
+over neighbouring positions. Per (layer, KV head), over the cells before the
+window (the eviction candidates), with no iteration:
+
+- the candidates are cut into ``k = max(1, n // chunk)`` consecutive chunks
+  (the remainder joins the last one); a key's irregularity is how far its
+  direction leaves its chunk's mean, over the chunk's spread, and the ``p``
+  most irregular keys of the whole head are set apart;
+- each chunk's other (regular) keys, summed and normalised, give one
+  prototype; the irregular keys are hashed into ``buckets`` buckets by the
+  signs of random Fourier features, and each bucket gives one prototype;
+- every candidate joins the prototype most similar in direction, and its score
+  becomes the mean window vote of its cluster, ties broken by its own vote.
+
+The window is always kept; nothing is merged (the prototypes only steer the
+scoring). The paper fixes only ``p = 3 * buckets``; the other defaults are
+edgekv's choices (docs/methods.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..kvcache.engine import KVSnapshot
+from .base import ScorerMethod
+from .snapkv import check_window
+
+
+def chunk_bounds(n: int, chunk: int) -> np.ndarray:
+    """int [k + 1] boundaries of ``k = max(1, n // chunk)`` consecutive chunks of
+    ``n // k`` cells, the remainder in the last: the paper's equal split, with ``k``
+    following ``n`` so that the clusters stay small next to the budget."""
+    k = max(1, n // chunk)
+    return np.append(np.arange(k) * (n // k), n).astype(np.int64)
+
+
+def irregularity(x: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """float [n]: (1 - cos(x_t, chunk mean)) / ||chunk std|| per row of ``x`` [n, d].
+
+    A key that points away from its chunk, in a chunk whose keys barely spread,
+    is the kind the positional chunks cannot explain. Guards: a zero key or mean
+    has cosine 0; a chunk without spread has no irregular keys (0)."""
+    n = x.shape[0]
+    sizes = np.diff(bounds)
+    label = np.repeat(np.arange(sizes.size), sizes)
+    mu = np.add.reduceat(x, bounds[:-1], axis=0) / sizes[:, None]
+    dev = x - mu[label]
+    spread = np.sqrt(np.add.reduceat(dev * dev, bounds[:-1], axis=0).sum(axis=1) / sizes)  # ||sigma_m||
+    den = np.linalg.norm(x, axis=1) * np.linalg.norm(mu, axis=1)[label]
+    dots = np.einsum("nd,nd->n", x, mu[label])
+    cos = np.divide(dots, den, out=np.zeros(n), where=den > 0)
+    sp = spread[label]
+    return np.divide(1.0 - cos, sp, out=np.zeros(n), where=sp > 0)
+
+
+def top_irregular(delta: np.ndarray, p: int) -> np.ndarray:
+    """int [min(p, n)], ascending: the ``p`` largest irregularities over all chunks
+    together (the paper's text), the earlier cell first on ties."""
+    return np.sort(np.argsort(-delta, kind="stable")[:p])
+
+
+def rff_draw(seed: int, n_bits: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """(w0 [n_bits, dim] ~ N(0, 1), b [n_bits] ~ U(0, 2 pi)) from ``seed``: one base draw
+    shared by every head, each head scaling w0 by its own gamma (W ~ N(0, gamma^2))."""
+    rng = np.random.default_rng(seed)
+    w0 = rng.standard_normal((n_bits, dim))
+    b = rng.uniform(0.0, 2.0 * np.pi, n_bits)
+    return w0, b
+
+
+def rff_gamma(x: np.ndarray) -> float:
+    """1 / the median distance between distinct rows of ``x``: the kernel width that
+    makes the Fourier phases vary on the scale of the keys' own spacing (too small and
+    every key gets one code, too large and the bits are noise). 1 when undefined."""
+    m = x.shape[0]
+    if m < 2:
+        return 1.0
+    sq = np.einsum("nd,nd->n", x, x)
+    d2 = sq[:, None] + sq[None, :] - 2.0 * (x @ x.T)
+    iu = np.triu_indices(m, 1)
+    med = float(np.median(np.sqrt(np.maximum(d2[iu], 0.0))))
+    return 1.0 / med if med > 0 else 1.0
+
+
+def lsh_buckets(x: np.ndarray, n_bits: int, gamma: float, w0: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """int [m] in [0, 2**n_bits): the signs of the random Fourier features
+    cos(gamma * w0 @ x + b) read as a binary number, first bit most significant
+    (the paper's code [1, 0, 0] is bucket 4). Keys close under a Gaussian kernel
+    tend to share their bits, so a bucket gathers similar keys wherever they sit."""
+    if w0.shape[0] != n_bits or b.shape != (n_bits,):
+        raise ValueError(f"w0 {w0.shape} and b {b.shape} do not hold {n_bits} bits")
+    bits = np.cos(gamma * (x @ w0.T) + b) > 0
+    return bits.astype(np.int64) @ (np.int64(1) << np.arange(n_bits - 1, -1, -1, dtype=np.int64))
+
+
+def prototypes(x: np.ndarray, labels: np.ndarray, n_groups: int) -> np.ndarray:
+    """float [c, d]: the unit-length sum of the rows of ``x`` in each group
+    0..n_groups-1, in group order; empty groups and zero sums give none (c <= n_groups)."""
+    if x.shape[0] == 0:
+        return np.zeros((0, x.shape[1]))
+    order = np.argsort(labels, kind="stable")
+    present, starts = np.unique(labels[order], return_index=True)
+    sums = np.add.reduceat(x[order], starts, axis=0)
+    keep = (present >= 0) & (present < n_groups)
+    sums = sums[keep]
+    norm = np.linalg.norm(sums, axis=1)
+    return sums[norm > 0] / norm[norm > 0, None]
+
+
+def assign(x: np.ndarray, protos: np.ndarray) -> np.ndarray:
+    """int [n]: the prototype of largest cosine to each row of ``x`` (prototypes are unit
+    vectors, so the key's own norm does not matter: argmax of the dot product), the
+    first on ties; all 0 when there is no prototype."""
+    if protos.shape[0] == 0:
+        return np.zeros(x.shape[0], dtype=np.int64)
+    return np.argmax(x @ protos.T, axis=1).astype(np.int64)
+
+
+def cluster_mean(values: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """float [..., n]: every entry replaced by the mean of ``values`` over its cluster
+    (labels [n] >= 0, along the last axis): the paper's pooling, which spreads a vote
+    over the keys that look alike instead of over positional neighbours."""
+    values = np.asarray(values, np.float64)
+    counts = np.bincount(labels)
+    flat = values.reshape(-1, values.shape[-1])
+    out = np.empty_like(flat)
+    for i, row in enumerate(flat):
+        sums = np.bincount(labels, weights=row, minlength=counts.size)
+        out[i] = (sums / np.maximum(counts, 1))[labels]
+    return out.reshape(values.shape)
+
+
+def lexicographic_rank(primary: np.ndarray, secondary: np.ndarray) -> np.ndarray:
+    """float [n]: 0..n-1, the rank of (primary, secondary) in lexicographic order;
+    complete ties rank the earlier entry higher, so a stable top-k keeps it first."""
+    n = primary.shape[0]
+    order = np.lexsort((-np.arange(n), secondary, primary))
+    rank = np.empty(n)
+    rank[order] = np.arange(n)
+    return rank
+
+
+def cluster_ids(x: np.ndarray, chunk: int, n_bits: int, p: int, w0: np.ndarray,
+                b: np.ndarray) -> tuple[np.ndarray, int]:
+    """(labels [n], number of prototypes) for one head's candidate keys ``x`` [n, d]:
+    chunk prototypes of the regular keys first, then bucket prototypes of the ``p``
+    most irregular keys, then every key to its nearest prototype."""
+    n = x.shape[0]
+    bounds = chunk_bounds(n, chunk)
+    irr = top_irregular(irregularity(x, bounds), p)
+    regular = np.ones(n, dtype=bool)
+    regular[irr] = False
+    chunk_of = np.repeat(np.arange(bounds.size - 1), np.diff(bounds))
+    reg = prototypes(x[regular], chunk_of[regular], bounds.size - 1)
+    xi = x[irr]
+    irr_protos = prototypes(xi, lsh_buckets(xi, n_bits, rff_gamma(xi), w0, b), 1 << n_bits)
+    protos = np.concatenate([reg, irr_protos])
+    return assign(x, protos), protos.shape[0]
+
+
+@dataclass
+class ProtoKV(ScorerMethod):
+    """Rank cells by the mean window vote of their key cluster (chunk + LSH prototypes)."""
+
+    name = "protokv"
+    summary = "window attention pooled over clusters of keys from chunk and LSH prototypes (ProtoKV)"
+    needs = frozenset({"queries"})
+
+    sinks: int = 0
+    window: int = 32  # the observation window L_obs (the paper does not give it)
+    chunk: int = 16  # target chunk length: k = max(1, n // chunk) regular prototypes
+    buckets: int = 8  # u = 2**r LSH buckets (r hash bits); a power of two >= 2
+    irregular: int = 0  # p, the irregular keys per head; 0: the paper's 3 * buckets
+    seed: int = 0  # of the random Fourier features, shared by every head and layer
+
+    def __post_init__(self) -> None:
+        check_window(self.window, 1)
+        if self.sinks < 0:
+            raise ValueError(f"sinks must be >= 0, got {self.sinks}")
+        if self.chunk < 1:
+            raise ValueError(f"chunk must be at least 1 (cells per chunk), got {self.chunk}")
+        if self.buckets < 2 or self.buckets & (self.buckets - 1):
+            raise ValueError(f"buckets must be a power of two >= 2 (2**hash bits), got {self.buckets}")
+        if self.irregular < 0:
+            raise ValueError(f"irregular must be >= 0 (0: 3 * buckets), got {self.irregular}")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+
+    @property
+    def queries_needed(self) -> int:
+        return self.window
+
+    @property
+    def n_bits(self) -> int:
+        return self.buckets.bit_length() - 1
+
+    @property
+    def n_irregular(self) -> int:
+        return self.irregular or 3 * self.buckets
+
+    def score(self, snap: KVSnapshot, layer: int) -> np.ndarray:
+        n = snap.n_cells
+        m = n - min(self.window, n)  # the candidates: cells before the window
+        out = np.full((snap.n_kv_head, n), np.inf)
+        if m == 0:
+            return out
+        # summed over the window's queries and each KV head's query heads: pooling it
+        # per KV head is the mean of the group's pooled votes times the group size
+        votes = snap.window_attention(layer, self.window)[:, :m]
+        keys = snap.keys(layer)
+        w0, b = rff_draw(self.seed, self.n_bits, keys.shape[2])
+        for g in range(snap.n_kv_head):
+            x = keys[:m, g].astype(np.float64)
+            labels, _ = cluster_ids(x, self.chunk, self.n_bits, self.n_irregular, w0, b)
+            out[g, :m] = lexicographic_rank(cluster_mean(votes[g], labels), votes[g])
+        return out

@@ -1,0 +1,370 @@
+"""ProtoKV against its equations, on synthetic keys and queries.
+
+The clustering steps are checked one by one (irregularity, global top-p,
+hashing, prototypes, assignment, cluster-mean pooling) against direct loops and
+hand-computed cases, and the method's selection against a loop-by-loop
+reference of the whole rule: window votes per query head, chunk statistics,
+irregular set, sign LSH of random Fourier features, hybrid prototypes, cosine
+assignment, cluster means averaged over each GQA group, top cells by (pooled
+vote, raw vote) plus the window.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from edgekv.errors import BudgetError
+from edgekv.kvcache.engine import KVSnapshot, check_keep
+from edgekv.kvcache.queries import QueryWindow
+from edgekv.methods.protokv import (
+    ProtoKV,
+    assign,
+    chunk_bounds,
+    cluster_ids,
+    cluster_mean,
+    irregularity,
+    lexicographic_rank,
+    lsh_buckets,
+    prototypes,
+    rff_draw,
+    rff_gamma,
+    top_irregular,
+)
+
+L, H, G, D = 2, 2, 3, 16  # 2 layers, 2 KV heads, 3 query heads per KV head
+
+
+def structured_keys(n: int, rng: np.random.Generator, block: int = 16, n_out: int = 12,
+                    n_anchor: int = 3) -> tuple[np.ndarray, np.ndarray]:
+    """[n, D] keys: blocks of ``block`` noisy copies of one direction (regular tokens),
+    and ``n_out`` planted outliers scattered over the sequence, each a noisy copy of one
+    of ``n_anchor`` shared directions (irregular tokens). Returns (keys, outlier cells)."""
+    dirs = rng.standard_normal((-(-n // block), D))
+    x = np.repeat(dirs, block, axis=0)[:n] + 0.05 * rng.standard_normal((n, D))
+    anchors = rng.standard_normal((n_anchor, D))
+    planted = np.sort(rng.choice(n, n_out, replace=False))
+    for i, t in enumerate(planted):
+        x[t] = anchors[i % n_anchor] + 0.05 * rng.standard_normal(D)
+    return x, planted
+
+
+def snapshot(n: int, n_q: int, seed: int = 0) -> KVSnapshot:
+    rng = np.random.default_rng(seed)
+    keys, values = [], []
+    for _ in range(L):
+        k = np.stack([structured_keys(n, rng, n_out=n // 10)[0] for _ in range(H)], axis=1)
+        keys.append((2 * k).astype(np.float32))
+        values.append(rng.standard_normal((n, H, D)).astype(np.float32))
+    q = (rng.standard_normal((L, H * G, n_q, D)) * 1.5).astype(np.float32)
+    win = QueryWindow(n_q, tuple(range(L)), q, np.arange(n - n_q, n, dtype=np.int32))
+    return KVSnapshot.from_arrays(keys, values, queries=win)
+
+
+# ---- the clustering steps -------------------------------------------------------
+
+
+def test_chunk_bounds_split_evenly_with_the_remainder_last() -> None:
+    assert chunk_bounds(64, 16).tolist() == [0, 16, 32, 48, 64]
+    assert chunk_bounds(35, 16).tolist() == [0, 17, 35]  # k = 2 chunks of 17, remainder 1 to the last
+    assert chunk_bounds(70, 16).tolist() == [0, 17, 34, 51, 70]
+    assert chunk_bounds(10, 16).tolist() == [0, 10]  # fewer cells than a chunk: one chunk
+
+
+def test_irregularity_is_the_papers_formula() -> None:
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((37, 5))
+    bounds = chunk_bounds(37, 8)  # 4 chunks: 9, 9, 9, 10
+    got = irregularity(x, bounds)
+    for s, e in zip(bounds[:-1], bounds[1:], strict=True):
+        mu = x[s:e].mean(axis=0)
+        sigma = np.sqrt(((x[s:e] - mu) ** 2).mean(axis=0))
+        for t in range(s, e):
+            cos = x[t] @ mu / (np.linalg.norm(x[t]) * np.linalg.norm(mu))
+            assert got[t] == pytest.approx((1 - cos) / np.linalg.norm(sigma), rel=1e-12)
+
+
+def test_irregularity_guards_zero_norms() -> None:
+    x = np.zeros((8, 4))
+    x[4:] = 1.0  # second chunk: identical keys, no spread
+    delta = irregularity(x, np.array([0, 4, 8]))
+    assert np.all(np.isfinite(delta)) and np.all(delta == 0)
+
+
+def test_planted_outliers_are_the_irregular_set() -> None:
+    """(a) Block-structured keys with 12 scattered outliers drawn from 3 shared
+    directions: the global top-12 irregularity is exactly the outliers; the regular
+    keys join their own chunk's prototype and the outliers join bucket prototypes."""
+    for seed in range(5):
+        rng = np.random.default_rng(seed)
+        x, planted = structured_keys(160, rng)
+        delta = irregularity(x, chunk_bounds(160, 16))
+        assert top_irregular(delta, 12).tolist() == planted.tolist()
+        w0, b = rff_draw(seed, 2, D)
+        labels, count = cluster_ids(x, 16, 2, 12, w0, b)
+        regular = np.setdiff1d(np.arange(160), planted)
+        assert np.array_equal(labels[regular], regular // 16)  # 10 chunk prototypes, in order
+        assert np.all(labels[planted] >= 10) and count > 10
+
+
+def test_top_irregular_is_global_and_breaks_ties_by_position() -> None:
+    delta = np.array([0.1, 5.0, 0.3, 5.0, 0.2, 9.0, 0.0, 5.0])
+    assert top_irregular(delta, 3).tolist() == [1, 3, 5]  # 5.0 at cells 1, 3, 7: the earlier two
+    assert top_irregular(delta, 20).tolist() == list(range(8))
+
+
+def test_lsh_bucket_by_hand() -> None:
+    """(b) Bits are cos(gamma W k + b) > 0, first bit most significant."""
+    zero = np.zeros((3, 1))
+    assert lsh_buckets(np.array([[1.0]]), 3, 1.0, zero, np.array([0.0, np.pi, np.pi])).tolist() == [4]
+    x = np.array([[1.0, 2.0]])
+    w0 = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])  # W k = gamma * [1, 2, 3]
+    assert lsh_buckets(x, 3, 1.0, w0, np.zeros(3)).tolist() == [4]  # cos 1 > 0 > cos 2, cos 3
+    assert lsh_buckets(x, 3, 0.5, w0, np.zeros(3)).tolist() == [7]  # cos .5, cos 1, cos 1.5 > 0
+    assert lsh_buckets(x, 3, 1.0, w0, np.full(3, np.pi)).tolist() == [3]  # [0, 1, 1]
+    with pytest.raises(ValueError):
+        lsh_buckets(x, 2, 1.0, w0, np.zeros(3))
+
+
+def test_lsh_buckets_are_deterministic_and_in_range() -> None:
+    """(b) Same seed, same buckets; every bucket in [0, 2**r)."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((300, D))
+    for r in (1, 3, 5):
+        w0, b = rff_draw(7, r, D)
+        w1, b1 = rff_draw(7, r, D)
+        assert np.array_equal(w0, w1) and np.array_equal(b, b1)
+        assert np.all((b >= 0) & (b < 2 * np.pi))
+        got = lsh_buckets(x, r, rff_gamma(x), w0, b)
+        assert np.array_equal(got, lsh_buckets(x, r, rff_gamma(x), w1, b1))
+        assert got.min() >= 0 and got.max() < 2**r
+        if r >= 3:
+            assert np.unique(got).size > 1  # the median-distance gamma spreads the keys
+    w2, b2 = rff_draw(8, 3, D)
+    assert not np.array_equal(lsh_buckets(x, 3, 0.2, *rff_draw(7, 3, D)), lsh_buckets(x, 3, 0.2, w2, b2))
+
+
+def test_rff_gamma_is_one_over_the_median_distance() -> None:
+    x = np.array([[0.0, 0.0], [3.0, 4.0], [6.0, 8.0]])  # distances 5, 10, 5
+    assert rff_gamma(x) == pytest.approx(0.2)
+    assert rff_gamma(x[:1]) == 1.0
+    assert rff_gamma(np.ones((4, 2))) == 1.0
+
+
+def test_prototypes_are_unit_group_sums() -> None:
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((30, 4))
+    labels = rng.permutation(np.arange(30) % 6)
+    labels[labels == 3] = 4  # group 3 empty
+    x[labels == 5] = 0.0  # group 5 sums to zero
+    got = prototypes(x, labels, 6)
+    want = [x[labels == g].sum(axis=0) for g in (0, 1, 2, 4)]
+    assert np.allclose(got, [w / np.linalg.norm(w) for w in want])
+    assert prototypes(np.zeros((0, 4)), np.zeros(0, dtype=np.int64), 3).shape == (0, 4)
+
+
+def test_assignment_is_the_argmax_cosine() -> None:
+    """(c) Against a loop over tokens and prototypes, cosine written out."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((200, D)) * rng.uniform(0.1, 5, (200, 1))
+    protos = rng.standard_normal((13, D))
+    protos /= np.linalg.norm(protos, axis=1, keepdims=True)
+    got = assign(x, protos)
+    for t in range(200):
+        best, best_cos = -1, -math.inf
+        for c in range(13):
+            cos = float(x[t] @ protos[c]) / (np.linalg.norm(x[t]) * np.linalg.norm(protos[c]))
+            if cos > best_cos:
+                best, best_cos = c, cos
+        assert got[t] == best
+    assert assign(x, np.zeros((0, D))).tolist() == [0] * 200
+
+
+def test_cluster_mean_pooling() -> None:
+    """(d) Against a loop over clusters, for one row and for several."""
+    rng = np.random.default_rng(5)
+    labels = rng.integers(0, 9, 100)
+    values = rng.random((3, 100))
+    got = cluster_mean(values, labels)
+    for h in range(3):
+        for i in range(100):
+            members = [j for j in range(100) if labels[j] == labels[i]]
+            assert got[h, i] == pytest.approx(sum(values[h, j] for j in members) / len(members))
+    assert np.allclose(cluster_mean(values[1], labels), got[1])
+
+
+def test_lexicographic_rank() -> None:
+    primary = np.array([1.0, 2.0, 1.0, 2.0, 1.0])
+    secondary = np.array([0.5, 0.1, 0.7, 0.1, 0.5])
+    # ascending: (1, .5) cell 4, (1, .5) cell 0, (1, .7) cell 2, (2, .1) cell 3, (2, .1) cell 1
+    assert lexicographic_rank(primary, secondary).tolist() == [1, 4, 2, 3, 0]
+
+
+@pytest.mark.parametrize("n", [1, 5, 23, 64, 161, 500])
+def test_prototype_count_and_valid_cluster_ids(n: int) -> None:
+    """(f) At most k + u prototypes; every candidate gets one of them."""
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal((n, D))
+    for chunk, r in ((16, 3), (4, 1), (50, 4)):
+        w0, b = rff_draw(0, r, D)
+        k = max(1, n // chunk)
+        labels, count = cluster_ids(x, chunk, r, 3 * 2**r, w0, b)
+        assert 1 <= count <= k + 2**r
+        assert labels.shape == (n,) and labels.min() >= 0 and labels.max() < count
+
+
+def test_degenerate_keys_still_cluster() -> None:
+    w0, b = rff_draw(0, 3, D)
+    for x in (np.zeros((40, D)), np.ones((40, D))):
+        labels, count = cluster_ids(x, 16, 3, 24, w0, b)
+        assert labels.shape == (40,) and labels.min() >= 0 and labels.max() < max(count, 1)
+
+
+# ---- the selection against a loop-by-loop reference ---------------------------------
+
+
+def reference_keep(snap: KVSnapshot, window: int, chunk: int, u: int, seed: int, budget: int) -> np.ndarray:
+    """The GQA-aware rule with tie-break, one token, head and prototype at a time:
+    int [L, H, budget] (no sinks)."""
+    n = snap.n_cells
+    m = n - window
+    r = round(math.log2(u))
+    p = 3 * u
+    q, q_pos = snap.queries.last(window)
+    out = np.empty((L, H, budget), dtype=np.int64)
+    for layer in range(L):
+        keys = snap.keys(layer).astype(np.float64)
+        # window votes per query head: softmax of each window query, causal, summed
+        votes = np.zeros((H * G, m))
+        for h in range(H * G):
+            for t, pos in enumerate(q_pos):
+                logit = np.array([snap.kq_scale * float(keys[j, h // G] @ q[layer, h, t])
+                                  for j in range(n) if snap.pos[j] <= pos])
+                e = np.exp(logit - logit.max())
+                votes[h] += (e / e.sum())[:m]
+        for g in range(H):
+            x = keys[:m, g]
+            k = max(1, m // chunk)
+            ell = m // k
+            chunks = [(c * ell, (c + 1) * ell if c < k - 1 else m) for c in range(k)]
+            delta = np.zeros(m)
+            for s, e in chunks:
+                mu = x[s:e].mean(axis=0)
+                sd = np.linalg.norm(np.sqrt(((x[s:e] - mu) ** 2).mean(axis=0)))
+                for t in range(s, e):
+                    cos = float(x[t] @ mu) / (np.linalg.norm(x[t]) * np.linalg.norm(mu))
+                    delta[t] = (1 - cos) / sd
+            irr = sorted(sorted(range(m), key=lambda t: (-delta[t], t))[:p])
+            protos = []
+            for s, e in chunks:
+                tot = sum((x[t] for t in range(s, e) if t not in irr), np.zeros(D))
+                if np.linalg.norm(tot) > 0:
+                    protos.append(tot / np.linalg.norm(tot))
+            dists = [np.linalg.norm(x[i] - x[j]) for a, i in enumerate(irr) for j in irr[a + 1 :]]
+            gamma = 1 / float(np.median(dists))
+            rng = np.random.default_rng(seed)  # the same draw for every head
+            w = rng.normal(0.0, gamma, size=(r, D))
+            b = rng.uniform(0.0, 2 * math.pi, size=r)
+            bucket = {}
+            for j in irr:
+                bits = [1 if math.cos(float(w[i] @ x[j]) + b[i]) > 0 else 0 for i in range(r)]
+                bucket[j] = sum(bit * 2 ** (r - 1 - i) for i, bit in enumerate(bits)) % u
+            for s in range(u):
+                members = [j for j in irr if bucket[j] == s]
+                if members:
+                    tot = sum((x[j] for j in members), np.zeros(D))
+                    protos.append(tot / np.linalg.norm(tot))
+            cid = []
+            for t in range(m):
+                cos = [float(x[t] @ c) / (np.linalg.norm(x[t]) * np.linalg.norm(c)) for c in protos]
+                cid.append(cos.index(max(cos)))
+            heads = [h for h in range(H * G) if h // G == g]
+            pooled = np.zeros((len(heads), m))
+            for a, h in enumerate(heads):
+                for t in range(m):
+                    members = [i for i in range(m) if cid[i] == cid[t]]
+                    pooled[a, t] = sum(votes[h, i] for i in members) / len(members)
+            s_g, c_g = pooled.mean(axis=0), votes[heads].mean(axis=0)
+            best = sorted(range(m), key=lambda t: (-s_g[t], -c_g[t], t))[: budget - window]
+            out[layer, g] = sorted(best + list(range(m, n)))
+    return out
+
+
+@pytest.mark.parametrize(("chunk", "u", "budget", "seed"),
+                         [(16, 4, 40, 0), (16, 8, 70, 1), (10, 2, 100, 2), (24, 4, 56, 3)])
+def test_selection_equals_the_reference(chunk: int, u: int, budget: int, seed: int) -> None:
+    """(e) The kept cells are the reference's, and the pooling matters: plain
+    top-k of the raw votes keeps a different set somewhere."""
+    n, w = 160, 16
+    snap = snapshot(n, w, seed=seed)
+    m = ProtoKV(window=w, chunk=chunk, buckets=u, seed=seed)
+    keep = m.select(snap, budget)
+    assert np.array_equal(keep, reference_keep(snap, w, chunk, u, seed, budget))
+    raw = np.stack([np.sort(np.argsort(-snap.window_attention(layer, w)[:, : n - w], axis=1,
+                                       kind="stable")[:, : budget - w], axis=1) for layer in range(L)])
+    assert not np.array_equal(keep[:, :, : budget - w], raw)
+
+
+def test_window_kept_and_selection_contract() -> None:
+    n, w = 200, 24
+    snap = snapshot(n, w, seed=7)
+    m = ProtoKV(window=w, sinks=4)
+    assert m.queries_needed == w and m.name == "protokv" and "queries" in m.needs
+    for budget in (w + 4, 60, 150, n - 1):
+        keep = m.select(snap, budget)
+        assert keep.shape == (L, H, budget)
+        check_keep(keep, L, H, n)
+        assert np.all(np.diff(keep, axis=2) > 0)
+        for layer in range(L):
+            for g in range(H):
+                assert set(range(n - w, n)) | set(range(4)) <= set(keep[layer, g].tolist())
+        assert np.array_equal(keep, m.select(snapshot(n, w, seed=7), budget))
+    assert np.array_equal(m.select(snap, n), np.broadcast_to(np.arange(n), (L, H, n)))
+    with pytest.raises(BudgetError, match="always keeps"):
+        m.select(snap, w + 3)
+    s = m.score(snap, 0)
+    assert s.shape == (H, n) and np.all(np.isinf(s[:, n - w :]))
+    assert np.all(np.isfinite(s[:, : n - w]))
+    assert np.array_equal(np.sort(s[0, : n - w]), np.arange(n - w))  # a rank, no ties
+
+
+def test_one_draw_shared_by_every_head() -> None:
+    """Two heads with the same keys and queries cluster and select the same cells."""
+    n, w = 120, 16
+    rng = np.random.default_rng(11)
+    k0 = structured_keys(n, rng)[0].astype(np.float32)
+    keys = [np.stack([k0, k0], axis=1)] * L
+    q1 = rng.standard_normal((L, G, w, D)).astype(np.float32)
+    q = np.concatenate([q1, q1], axis=1)
+    win = QueryWindow(w, tuple(range(L)), q, np.arange(n - w, n, dtype=np.int32))
+    snap = KVSnapshot.from_arrays(keys, keys, queries=win)
+    keep = ProtoKV(window=w, chunk=8, buckets=16).select(snap, 50)
+    assert np.array_equal(keep[:, 0], keep[:, 1])
+
+
+def test_short_caches() -> None:
+    """Fewer candidates than irregular keys, or none at all, still select."""
+    snap = snapshot(30, 16, seed=1)
+    keep = ProtoKV(window=16, buckets=8).select(snap, 20)  # 14 candidates < p = 24
+    check_keep(keep, L, H, 30)
+    keep = ProtoKV(window=32).select(snapshot(40, 16, seed=1), 36)
+    assert np.all(keep[:, :, -32:] == np.arange(8, 40))
+
+
+@pytest.mark.parametrize("params", [
+    {"window": 0}, {"chunk": 0}, {"buckets": 1}, {"buckets": 6}, {"buckets": 0},
+    {"irregular": -1}, {"sinks": -1}, {"seed": -1},
+])
+def test_bad_parameters(params: dict[str, int]) -> None:
+    """(g)"""
+    with pytest.raises(ValueError):
+        ProtoKV(**params)
+
+
+def test_defaults() -> None:
+    m = ProtoKV()
+    assert (m.sinks, m.window, m.chunk, m.buckets, m.irregular, m.seed) == (0, 32, 16, 8, 0, 0)
+    assert m.n_bits == 3 and m.n_irregular == 24
+    assert ProtoKV(irregular=5).n_irregular == 5
