@@ -53,8 +53,8 @@ class KVSnapshot:
     _v_rot: int = field(default=0, repr=False)
     _k: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
     _v: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
-    # the native engine reads one layer's K and V on demand, already in position order
-    _read: Callable[[int], tuple[np.ndarray, np.ndarray]] | None = field(default=None, repr=False)
+    # the native engine reads one layer's K (and V, when asked) on demand, in position order
+    _read: Callable[[int, bool], tuple[np.ndarray, np.ndarray | None]] | None = field(default=None, repr=False)
     # the observation window (queries of the newest tokens) when the engine records one
     queries: QueryWindow | None = None
     kq_scale: float = 0.0
@@ -168,7 +168,7 @@ class KVSnapshot:
     def keys(self, layer: int) -> np.ndarray:
         """float32 [n_cells, n_kv_head, head_dim_k] (post-RoPE, as cached)."""
         if layer not in self._k and self._read is not None:
-            self._k[layer], self._v[layer] = self._read(layer)
+            self._k[layer] = self._read(layer, False)[0]  # keys only: scorers rarely need values
         if layer not in self._k:
             ld = self._section.layers[layer]
             n_embd = self.n_kv_head * self.head_dim_k
@@ -179,7 +179,7 @@ class KVSnapshot:
     def values(self, layer: int) -> np.ndarray:
         """float32 [n_cells, n_kv_head, head_dim_v]."""
         if layer not in self._v and self._read is not None:
-            self._k[layer], self._v[layer] = self._read(layer)
+            self._k[layer], self._v[layer] = self._read(layer, True)
         if layer not in self._v:
             ld = self._section.layers[layer]
             n_embd = self.n_kv_head * self.head_dim_v

@@ -208,12 +208,13 @@ class NativeEngine:
         H, dk, dv = self.n_kv_head, self.head_dim_k, self.head_dim_v
         gen = self._gen
 
-        def read(layer: int) -> tuple[np.ndarray, np.ndarray]:
+        def read(layer: int, values: bool) -> tuple[np.ndarray, np.ndarray | None]:
             if self._gen != gen:
                 raise EdgekvError("the cache changed since this snapshot was taken; take a new one")
-            k, v = self.read(layer, cell_order=True)
+            k, v = self.read(layer, cell_order=True, values=values)
             k = _unrotate(k[:, order].transpose(1, 0, 2).reshape(n, H * dk), k_rot).reshape(n, H, dk)
-            v = _unrotate(v[:, order].transpose(1, 0, 2).reshape(n, H * dv), v_rot).reshape(n, H, dv)
+            if v is not None:
+                v = _unrotate(v[:, order].transpose(1, 0, 2).reshape(n, H * dv), v_rot).reshape(n, H, dv)
             return k, v
 
         def score(q: np.ndarray, q_pos: np.ndarray, layer: int) -> np.ndarray:
@@ -303,17 +304,21 @@ class NativeEngine:
         out[..., np.argsort(self.cell_positions(), kind="stable")] = a
         return out
 
-    def read(self, layer: int, cell_order: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """Layer ``layer``'s K and V as stored (rotated when llama.cpp rotates them):
-        float32 [n_kv_head, n_cells, head_dim], cells in position order unless ``cell_order``."""
+    def read(self, layer: int, cell_order: bool = False,
+             values: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
+        """Layer ``layer``'s K and V (None unless ``values``) as stored (rotated when llama.cpp
+        rotates them): float32 [n_kv_head, n_cells, head_dim], cells in position order
+        unless ``cell_order``."""
         n = self.n_cells
         k = np.empty((self.n_kv_head, n, self.head_dim_k), np.float32)
-        v = np.empty((self.n_kv_head, n, self.head_dim_v), np.float32)
+        v = np.empty((self.n_kv_head, n, self.head_dim_v), np.float32) if values else None
         if n:
-            self._check(self.lib.llama_edgekv_seq_read(self._c, self.seq, layer, self._f32(k), self._f32(v), n), "read")
+            self._check(self.lib.llama_edgekv_seq_read(self._c, self.seq, layer, self._f32(k),
+                                                      self._f32(v) if values else self.ffi.NULL, n), "read")
         if not cell_order and n:
             order = np.argsort(self.cell_positions(), kind="stable")
-            k, v = k[:, order], v[:, order]
+            k = k[:, order]
+            v = v[:, order] if values else None
         return k, v
 
     @property

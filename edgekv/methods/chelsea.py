@@ -101,39 +101,42 @@ class Chelsea(Method):
 
 
 def edges(keys: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Chunked soft matching on one head's keys [M, d] (cells in order): for every source
-    (1st, 3rd, ... cell of its chunk) its most similar destination (2nd, 4th, ...) of the
-    same chunk by cosine. Returns (source, destination, score) as indices into ``keys``;
-    a source alone in its chunk has no edge."""
-    M, d = keys.shape
+    """Chunked soft matching on keys [..., M, d] (cells in order; leading axes: heads
+    matched at once): for every source (1st, 3rd, ... cell of its chunk) its most
+    similar destination (2nd, 4th, ...) of the same chunk by cosine. Returns (source
+    [E], destination [..., E], score [..., E]) as indices into the M cells; a source
+    alone in its chunk has no edge."""
+    *lead, M, d = keys.shape
     n_chunk = -(-M // chunk)
     pad = n_chunk * chunk - M
-    unit = keys / np.maximum(np.linalg.norm(keys, axis=1, keepdims=True), 1e-12)
-    unit = np.concatenate([unit, np.zeros((pad, d), unit.dtype)]).reshape(n_chunk, chunk, d)
+    unit = keys / np.maximum(np.linalg.norm(keys, axis=-1, keepdims=True), 1e-12)
+    unit = np.concatenate([unit, np.zeros((*lead, pad, d), unit.dtype)], axis=-2)
+    unit = unit.reshape(*lead, n_chunk, chunk, d)
     idx = np.arange(n_chunk * chunk).reshape(n_chunk, chunk)
     a, b = idx[:, 0::2], idx[:, 1::2]
-    sim = unit[:, 0::2] @ unit[:, 1::2].transpose(0, 2, 1)  # [chunks, sources, destinations]
-    sim[np.broadcast_to((b >= M)[:, None, :], sim.shape)] = -np.inf
-    best = sim.argmax(axis=2)
-    score = np.take_along_axis(sim, best[:, :, None], axis=2)[:, :, 0]
-    dst = np.take_along_axis(b, best, axis=1)
-    ok = (a < M) & np.isfinite(score)
-    return a[ok], dst[ok], score[ok]
+    sim = unit[..., 0::2, :] @ np.swapaxes(unit[..., 1::2, :], -1, -2)  # [..., chunks, sources, destinations]
+    sim = np.where(b[:, None, :] < M, sim, -np.inf)
+    best = sim.argmax(axis=-1)
+    score = np.take_along_axis(sim, best[..., None], axis=-1)[..., 0]
+    dst = b[np.arange(n_chunk)[:, None], best]
+    ok = (a < M) & (b[:, :1] < M)  # a real source with at least one destination in its chunk
+    return a[ok], dst[..., ok], score[..., ok]
 
 
 def match(snap: KVSnapshot, middle: np.ndarray, chunk: int, m: int) -> tuple[np.ndarray, np.ndarray] | tuple[None, None]:
     """The ``m`` best edges of every (layer, KV head), as cell indices (src, dst) [L, H, m];
-    (None, None) when some head has fewer than ``m`` edges. Ties go to the earlier source."""
-    L, H, _ = middle.shape
+    (None, None) when there are fewer than ``m`` edges. Ties go to the earlier source."""
+    L, H, M = middle.shape
     src = np.empty((L, H, m), np.int64)
     dst = np.empty((L, H, m), np.int64)
+    heads = np.arange(H)[:, None]
     for layer in range(L):
-        keys = snap.keys(layer)
-        for h in range(H):
-            cells = middle[layer, h]
-            a, b, score = edges(keys[cells, h].astype(np.float32), chunk)
-            if a.size < m:
-                return None, None
-            top = np.argsort(-score, kind="stable")[:m]
-            src[layer, h], dst[layer, h] = cells[a[top]], cells[b[top]]
+        cells = middle[layer]  # [H, M]
+        keys = snap.keys(layer)[cells, heads].astype(np.float32)  # [H, M, d]
+        a, b, score = edges(keys, chunk)
+        if a.size < m:
+            return None, None
+        top = np.argsort(-score, axis=1, kind="stable")[:, :m]
+        src[layer] = np.take_along_axis(cells, a[top], axis=1)
+        dst[layer] = np.take_along_axis(cells, np.take_along_axis(b, top, axis=1), axis=1)
     return src, dst
