@@ -68,7 +68,7 @@ def test_state_merge_writes_count_weighted_means_and_counts_add_up(smollm2, toks
             for h in range(H):
                 for s, d in zip(src[li, h], dst[li, h], strict=True):
                     absorbed[li][h][int(tp[li, h, d])] |= absorbed[li][h].pop(int(tp[li, h, s]))
-        eng.merge(src, dst)
+        eng.merge(src, dst, bias=False)
         assert eng.n_cells == n - 40 * (rnd + 1)
     after = eng.snapshot()
     assert after.counts is not None and not after.bias
@@ -102,10 +102,7 @@ def test_native_device_merge_writes_what_the_state_engine_writes(smollm2, toks, 
         rng = np.random.default_rng(7)
         for _ in range(2):
             src, dst = _plan(rng, L, H, eng.n_cells, 30)
-            if name == "state":
-                eng.merge(src, dst)
-            else:
-                eng.merge(src, dst, bias=True)
+            eng.merge(src, dst, bias=name == "native")
         snap = eng.snapshot()
         caches[name] = (ctx.state_get(), [snap.keys(li).copy() for li in range(L)])
         counts[name] = snap.counts
@@ -166,3 +163,21 @@ def test_chelsea_is_refused_where_attention_cannot_weigh_counts(smollm2) -> None
             s.use("chelsea", budget=100)
         assert "\n" not in str(e.value)
         s.use("chelsea_nobias", budget=100)  # the same merges, unbiased, run anywhere
+
+
+def test_native_bias_follows_biased_and_unbiased_merges(smollm2, toks) -> None:
+    """A host merge (no bias) zeroes the device bias but keeps the counts; a biased merge
+    after it weighs every cell by its count again. Context shift refuses merged caches."""
+    ctx = _ctx(smollm2, "f16", "on")
+    eng = NativeEngine(ctx)
+    L, H = smollm2.arch.n_layer, smollm2.arch.n_head_kv
+    prefill(eng, toks)
+    rng = np.random.default_rng(3)
+    for bias in (True, False, True):
+        eng.merge(*_plan(rng, L, H, eng.n_cells, 20), bias=bias)
+        snap = eng.snapshot()
+        assert snap.bias == bias and snap.counts.sum(axis=2).min() == len(toks)
+        np.testing.assert_allclose(eng.bias_get(), np.log(snap.counts) if bias else 0.0, atol=1e-6)
+    with pytest.raises(EdgekvError, match="unmerged"):
+        eng.shift(4, 8)
+    ctx.close()

@@ -77,12 +77,6 @@ class KVSnapshot:
     def n_layer(self) -> int:
         return int(self.token_pos.shape[0])
 
-    def cell_counts(self, layer: int) -> np.ndarray:
-        """float32 [n_kv_head, n_cells]: tokens each cell of ``layer`` stands for (1 unless merged)."""
-        if self.counts is None:
-            return np.ones((self.n_kv_head, self.n_cells), np.float32)
-        return self.counts[layer]
-
     def log_counts(self, layer: int) -> np.ndarray | None:
         """The bias attention adds to ``layer``'s logits: log(counts) when the engine applies it."""
         return np.log(self.counts[layer]) if self.bias and self.counts is not None else None
@@ -365,8 +359,6 @@ def compacted_positions(pos: np.ndarray, keep: np.ndarray) -> np.ndarray:
     always the newest cell).
     """
     return pos[keep].reshape(-1, keep.shape[2]).min(axis=0).astype(np.int32)
-
-
 
 
 def check_merge(src: np.ndarray, dst: np.ndarray, n_layer: int, n_kv_head: int,

@@ -119,8 +119,10 @@ def load_cache_file(path: str | Path, engine: str) -> tuple[CacheState, dict]:
     counts, bias = arrays.get("counts"), bool(header.get("bias", False))
     if "bias" in arrays:  # versions 1 and 2 kept the log of the counts, always applied
         counts, bias = np.exp(arrays["bias"]).round().astype(np.float32), True
-    if counts is not None and counts.shape != token_pos.shape:
-        raise EdgekvError(f"{path}: the saved merge counts do not match the saved cells")
+        if np.all(counts == 1):  # the bias had been switched on, nothing was merged
+            counts, bias = None, False
+    if counts is not None and (counts.shape != token_pos.shape or not np.all(np.isfinite(counts) & (counts >= 1))):
+        raise EdgekvError(f"{path}: the saved merge counts do not match the saved cells or are not counts (>= 1)")
     state = CacheState(blob=blob, token_pos=token_pos, engine=engine, counts=counts, bias=bias, window=window,
                        tally=arrays.get("tally"))
     return state, header

@@ -296,6 +296,8 @@ def _head_views(sec: CacheSection, layer: int, head: int, n_kv_head: int) -> tup
     """Byte views of one KV head's K rows [n_cells, bytes] and V rows ([n_cells, bytes],
     or [dv, n_cells, elem] when V is transposed)."""
     ld = sec.layers[layer]
+    if ld.k_row_bytes % n_kv_head or (not sec.v_trans and ld.v_row_bytes % n_kv_head):
+        raise StateLayoutError(f"rows of layer {layer} do not split into {n_kv_head} heads")
     k = ld.k.reshape(sec.n_cells, n_kv_head, ld.k_row_bytes // n_kv_head)[:, head]
     if sec.v_trans:
         v = ld.v.reshape(n_kv_head, ld.n_embd_v // n_kv_head, sec.n_cells, ld.v_elem_size)[head]

@@ -242,15 +242,17 @@ class NativeEngine:
                     "compact")
         self._portable._compacted(pos, keep)
 
-    def merge(self, src: np.ndarray, dst: np.ndarray, *, bias: bool = True) -> None:
+    def merge(self, src: np.ndarray, dst: np.ndarray, *, bias: bool) -> None:
         """Fold each source cell into its destination per (layer, KV head) and drop the
         sources. With ``bias`` the count-weighted means are computed on the device
         (``llama_edgekv_seq_merge``, re-quantised by ``ggml_set_rows``) and attention adds
         log(count) from now on; without, the state engine's host merge serves and
-        attention weighs every cell as one token (it writes the same bytes)."""
+        attention weighs every cell as one token (it writes the same bytes). The device
+        merge runs one call per group width: if a later call fails, the cache holds some
+        averaged destinations without their counts, and the error says the op failed."""
         self._gen += 1
         if not bias:
-            self._portable.merge(src, dst)
+            self._portable.merge(src, dst, bias=False)
             self._biased = False  # a state write zeroes the device bias of every cell it writes
             return
         pos = np.sort(self.cell_positions())

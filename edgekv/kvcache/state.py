@@ -123,6 +123,8 @@ class StateEngine:
         (token order) and move the later ones down by n_discard positions. Returns
         the position delta. Only valid on a cache whose cells are whole tokens
         (never compacted per head), which the caller guarantees."""
+        if self.tokens.counts is not None:
+            raise EdgekvError("context shift needs an unmerged cache (merged cells stand for several tokens)")
         snap = self.snapshot()
         if not np.all(snap.token_pos == snap.token_pos[:1, :1]):
             raise EdgekvError("context shift needs an uncompacted cache (same tokens in every head)")
@@ -133,7 +135,7 @@ class StateEngine:
             raise EdgekvError("llama.cpp refused to remove the shifted range")
         self.ctx.seq_add(self.seq, p1, -1, -delta)
         keep = np.concatenate([np.arange(n_keep), np.arange(n_keep + n_discard, snap.n_cells)])
-        self.tokens.set(snap.token_pos[:, :, keep], None if snap.counts is None else snap.counts[:, :, keep])
+        self.tokens.set(snap.token_pos[:, :, keep])
         self.tokens.pos_shift += delta
         if self.tally is not None:
             self.tally.compact(keep)
@@ -217,7 +219,7 @@ class StateEngine:
         if self.tally is not None:
             self.tally.compact(keep)
 
-    def merge(self, src: np.ndarray, dst: np.ndarray, *, bias: bool = False) -> None:
+    def merge(self, src: np.ndarray, dst: np.ndarray, *, bias: bool) -> None:
         """Fold each source cell into its destination, per (layer, KV head): count-weighted
         means of K and V, re-quantised into the cache's type (in its own, possibly
         Hadamard-rotated, space: averaging commutes with the rotation); then drop the
@@ -278,8 +280,9 @@ class StateEngine:
             raise StateLayoutError("saved query window does not match this model's layers")
         if state.tally is not None and state.tally.shape != (len(self.layers), self.n_kv_head, state.n_cells):
             raise StateLayoutError("saved attention tally does not match the saved cells")
-        if state.counts is not None and state.counts.shape != state.token_pos.shape:
-            raise StateLayoutError("saved merge counts do not match the saved cells")
+        if state.counts is not None and (state.counts.shape != state.token_pos.shape
+                                         or not np.all(np.isfinite(state.counts) & (state.counts >= 1))):
+            raise StateLayoutError("saved merge counts do not match the saved cells or are not counts (>= 1)")
         if state.bias:
             raise EdgekvError("this state's merged cells are weighed by their counts in attention (the "
                               "log-count bias), which only the native engine applies")

@@ -18,8 +18,8 @@ to land on it.
 
 edgekv's choices where the paper is silent (docs/methods.md): the rate
 schedule restarts at every compression (after a prefill the large first
-compression decays as in the paper; a decode-time compression is one step of
-``interval`` merges either way); survivors keep their order; the paper's
+compression decays as in the paper; a decode-time compression of ``interval``
+cells is one step once the middle holds ``interval / r_init`` cells); survivors keep their order; the paper's
 outlier heads, which keep a full cache, cannot exist in a cache where every
 head holds the same number of cells, so all heads are merged.
 """
@@ -74,15 +74,16 @@ class Chelsea(Method):
 
     def rate(self, step: int) -> float:
         """The share of the middle cells step ``step`` of one compression merges away."""
-        return min(0.5, max(self.r_floor, self.r_init - self.r_decay * min(self.r_steps, step)))
+        r = round(self.r_init - self.r_decay * min(self.r_steps, step), 9)  # 0.35 - 0.1 is 0.2499...
+        return min(0.5, max(self.r_floor, r))
 
     def compress(self, engine: KVEngine, target: int, *, scheduled: bool = False) -> int:
         step = 0
         while engine.n_cells > target:
             snap = engine.snapshot()
             middle = self.middle(snap)
-            m = min(math.floor(self.rate(step) * middle.shape[2]), snap.n_cells - target)
-            src, dst = match(snap, middle, self.chunk, m) if m > 0 else (None, None)
+            m = min(max(1, math.floor(self.rate(step) * middle.shape[2])), snap.n_cells - target)
+            src, dst = match(snap, middle, self.chunk, m)
             if src is None:
                 raise BudgetError(f"budget {target} is below what {self.name} can reach: it keeps "
                                   f"sinks={self.sinks} and window={self.window} and merges at most half "
