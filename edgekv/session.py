@@ -96,10 +96,14 @@ class Session:
         self.capacity = n_ctx  # edgekv's promise in cells; llama.cpp may round its allocation (ctx.n_ctx) up
         self._chunk_request = chunk
         _check_budget(method, budget, ratio, n_ctx)
+        n_batch = _chunk_for(method, budget, ratio, n_ctx, chunk)
         self.ctx = Context(
             self.model,
-            n_ctx=n_ctx,
-            n_batch=_chunk_for(method, budget, ratio, n_ctx, chunk),
+            # iSWA models (Gemma 3): llama.cpp sizes the sliding-window cache min(n_ctx, window +
+            # batch), and it must hold a whole window plus a batch however far the positions run,
+            # while compression keeps only the full-attention cells within the capacity
+            n_ctx=max(n_ctx, arch.n_swa + n_batch) if arch.n_swa else n_ctx,
+            n_batch=n_batch,
             cache_type_k=cache_type_k,
             cache_type_v=cache_type_v,
             flash_attn=flash_attn,

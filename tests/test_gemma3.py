@@ -83,3 +83,38 @@ def test_iswa_per_head_compaction_keeps_the_sliding_window_cache(gemma3) -> None
         assert np.array_equal(np.asarray(a.k)[np.argsort(swa.pos)], np.asarray(b.k)[np.argsort(before.pos)])
     assert np.array_equal(eng.snapshot().token_pos[:, 0], keep[:, 0])
     ctx.close()
+
+
+def test_iswa_merges_the_global_layers_and_keeps_the_sliding_window_cache(gemma3) -> None:
+    """chelsea_nobias on Gemma 3: only the global layers' cells are merged (counts add up
+    to every token there); the sliding-window cache comes back byte for byte; a session
+    stays bounded and generates. chelsea (the log-count bias) is refused on this engine."""
+    from edgekv.errors import EdgekvError
+    from edgekv.kvcache import layout
+    from edgekv.methods import get_method
+    from edgekv.session import Session
+
+    toks = long_text_tokens(gemma3, 600)
+    ctx = Context(gemma3, n_ctx=1024, n_batch=128, flash_attn="off", n_threads=2)
+    eng = StateEngine(ctx)
+    prefill(eng, toks)
+    swa = layout.parse_seq_state(ctx.state_get(), n_caches=2, n_layers=None).sections[1]
+    get_method("chelsea_nobias").compress(eng, 300)
+    after = layout.parse_seq_state(ctx.state_get(), n_caches=2, n_layers=None).sections[1]
+    assert np.array_equal(after.pos, swa.pos)
+    for a, b in zip(after.layers, swa.layers, strict=True):
+        assert np.array_equal(a.k, b.k) and np.array_equal(a.v, b.v)
+    snap = eng.snapshot()
+    assert eng.n_cells == 300 and snap.n_layer == 3
+    np.testing.assert_array_equal(snap.counts.sum(axis=2), np.full((3, 1), 600))
+    ctx.close()
+    with Session(gemma3, method="chelsea_nobias", budget=192, n_ctx=320, chunk=128, n_threads=2) as s:
+        assert s.engine.name == "state"
+        s.feed(long_text_tokens(gemma3, 900))
+        assert s.stats.peak_cells <= 320 and s.stats.compressions >= 3
+        assert "".join(s.generate(8)).strip()
+        try:
+            s.use("chelsea", budget=192)
+            raise AssertionError("chelsea needs the log-count bias, which the state engine cannot apply")
+        except EdgekvError as e:
+            assert "bias" in str(e)
