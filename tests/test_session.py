@@ -238,11 +238,11 @@ def test_use_switches_methods_and_refuses_what_the_session_cannot_do(smollm2) ->
         assert s.method.name == "streaming_llm" and s.budget == 200  # a refused use changes nothing
 
         @dataclass
-        class NeedsMerge(Method):
-            name = "needs_merge"
-            needs = frozenset({"merge"})
+        class NeedsBias(Method):
+            name = "needs_bias"
+            needs = frozenset({"bias"})
 
-        with pytest.raises(EdgekvError, match="needs merge, which the state engine lacks"):
-            s.use(NeedsMerge())
+        with pytest.raises(EdgekvError, match="needs bias, which the state engine lacks"):
+            s.use(NeedsBias())
         s.feed(toks[100:])  # 200 + the rest: compresses to the budget on the way
         assert s.stats.compressions >= 1 and s.engine.n_cells <= 256
