@@ -3,7 +3,7 @@
 
 Cost: for each engine (native: the device merge with the log-count bias;
 state: the host merge through llama.cpp's state API), cache type and size n,
-the default model holds n cells; one step of Chelsea's first rate merges
+the default model holds n cells of Jane Austen's prose; one step of Chelsea's first rate merges
 ``r_init`` of the cells between sinks and window. It is timed as its two
 halves, the matching on the host (snapshot keys, chunked soft matching) and
 the engine's merge (averages, re-quantisation, the compaction of the
@@ -49,6 +49,7 @@ def main() -> None:
 
     from rich.progress import Progress
 
+    from edgekv.bench.speed import long_text_tokens
     from edgekv.ggml_types import type_by_name
     from edgekv.kvcache.engine import _unrotate
     from edgekv.kvcache.quant import dequantize, quantize
@@ -60,8 +61,6 @@ def main() -> None:
     path = resolve_model(a.model)
     sizes = [int(s) for s in a.sizes.split(",")]
     configs = [c.split(":") for c in a.configs.split(",")]
-    text = ("The quick brown fox jumps over the lazy dog while the archive keeps every record "
-            "of the harbour town in order. ") * 400
     rows = []
     chelsea = get_method("chelsea")
     knorm = get_method("knorm")
@@ -70,9 +69,7 @@ def main() -> None:
         for engine, ct, fa in configs:
             sess = Session(path, method="full", n_ctx=max(sizes) + 64, chunk=512, engine=engine,
                            cache_type_k=ct, cache_type_v=ct, flash_attn=fa, n_threads=a.threads)
-            toks = sess.model.tokenize(text)
-            while len(toks) < max(sizes):
-                toks = toks + toks
+            toks = long_text_tokens(sess.model, max(sizes))  # real prose: neighbours differ as in use
             for n in sizes:
                 sess.reset()
                 sess.feed(toks[:n])
