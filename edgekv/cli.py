@@ -1,4 +1,4 @@
-"""`edgekv` command line: chat, generate, methods, info, models, bench.
+"""`edgekv` command line: chat, generate, serve, methods, info, models, bench.
 
 Every user mistake surfaces as one line on stderr and exit code 2; anything
 else is a bug and keeps its traceback.
@@ -339,6 +339,90 @@ def generate(
         typer.echo(_stats_line(sess.stats), err=True)
         if stats_json:
             _write_json(stats_json, _stats_dict(sess.stats), "--stats-json")
+    except EdgekvError as e:
+        _fail(e)
+
+
+def _model_id(arg: str | None, path: Path) -> str:
+    """What clients call the model: the registry name it was pulled by, else the file's stem."""
+    from .models import DEFAULT_MODEL
+
+    if arg is None:
+        return DEFAULT_MODEL
+    return path.stem if Path(arg).expanduser().exists() else arg
+
+
+@app.command()
+def serve(
+    model: ModelArg = None,
+    method: MethodOpt = "streaming_llm",
+    budget: BudgetOpt = None,
+    ratio: RatioOpt = None,
+    n_ctx: NCtxOpt = None,
+    cache_type_k: CtkOpt = "f16",
+    cache_type_v: CtvOpt = "f16",
+    flash_attn: FaOpt = "auto",
+    threads: ThreadsOpt = None,
+    param: ParamOpt = None,
+    engine: EngineOpt = "auto",
+    host: Annotated[str, typer.Option(help="Address to bind; 127.0.0.1 keeps the server on this machine.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8080,
+    api_key: Annotated[str | None, typer.Option(help="Require 'Authorization: Bearer KEY' on /v1/ requests.")] = None,
+    max_live: Annotated[int, typer.Option(help="Conversations with a live context; the least recently used idle one is saved to disk beyond this.")] = 4,
+    max_conversations: Annotated[int, typer.Option(help="Conversations remembered (live or on disk); the oldest idle one is forgotten beyond this.")] = 256,
+    max_prompt_tokens: Annotated[int, typer.Option(help="Most prompt tokens one request may add (a prefill limit per request).")] = 16384,
+    max_tokens: Annotated[int, typer.Option(help="Default longest reply, in tokens, when a request gives none.")] = 512,
+    temperature: Annotated[float, typer.Option(help="Default temperature when a request gives none (0 = greedy).")] = 0.7,
+    state_dir: Annotated[Path | None, typer.Option(help="Where saved conversations go (default: a new directory under ~/.cache/edgekv/server).")] = None,
+    model_name: Annotated[str | None, typer.Option(help="The model id clients send (default: the registry name or the file name without .gguf).")] = None,
+) -> None:
+    """OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models,
+    /v1/edgekv/stats and a web page at /. Every conversation keeps its own compressed cache.
+
+    A request may choose its conversation's method, budget, ratio and method_params as extra
+    body fields. Without --budget, --ratio and --n-ctx, a compressing method keeps 1024 cells.
+    """
+    import shutil
+    import tempfile
+
+    from .llama import Model
+    from .models import edgekv_home, resolve_model
+    from .server import App, ServerConfig, Settings
+    from .server import serve as run_server
+
+    try:
+        if not 1 <= max_live <= 64 or max_conversations < max_live:
+            raise EdgekvError("--max-live must be 1..64 and --max-conversations at least --max-live")
+        if max_prompt_tokens < 1 or max_tokens < 1:
+            raise EdgekvError("--max-prompt-tokens and --max-tokens must be positive")
+        if budget is None and ratio is None and n_ctx is None and method != "full":
+            budget = 1024
+        path = resolve_model(model)
+        mdl = Model(path)
+        chunk = 256
+        if n_ctx is None:  # as a Session would choose
+            n_ctx = budget + chunk if budget is not None else min(mdl.arch.n_ctx_train or 4096, 4096)
+        own_dir = state_dir is None
+        if state_dir is None:
+            root = edgekv_home() / "server"
+            root.mkdir(parents=True, exist_ok=True)
+            state_dir = Path(tempfile.mkdtemp(prefix="conversations-", dir=root))
+        cfg = ServerConfig(
+            model=mdl, model_id=model_name or _model_id(model, path),
+            n_ctx=n_ctx, defaults=Settings(method, budget, ratio, tuple(sorted(_parse_params(param).items()))),
+            state_dir=state_dir, cache_type_k=cache_type_k, cache_type_v=cache_type_v, flash_attn=flash_attn,
+            threads=threads, engine=engine, chunk=chunk, max_live=max_live, max_conversations=max_conversations,
+            max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens, temperature=temperature,
+        )
+        server = App(cfg, api_key=api_key)
+        typer.echo(f"edgekv serve: http://{host}:{port}/  model {cfg.model_id}, method {method}, n_ctx {n_ctx}"
+                   + (f", budget {budget}" if budget else "") + (f", ratio {ratio}" if ratio else "")
+                   + f", up to {max_live} live conversations", err=True)
+        try:
+            run_server(server, host, port)
+        finally:
+            if own_dir:
+                shutil.rmtree(state_dir, ignore_errors=True)
     except EdgekvError as e:
         _fail(e)
 

@@ -169,6 +169,30 @@ class Model(_Owned):
         self.ptr = L.llama_model_load_from_file(str(self.path).encode(), params)
         if not self.ptr:
             raise ModelError(f"llama.cpp could not load {self.path}: {last_log_error() or 'unknown error'}")
+        self._owner: object | None = None  # None: this object loaded the weights and frees them
+        self._setup()
+
+    @classmethod
+    def from_llama(cls, llm: object) -> Model:
+        """The weights an existing ``llama_cpp.Llama`` has loaded, shared rather than loaded
+        again. Only the model is reused: edgekv creates its own contexts, because the Llama's
+        context has no query capture, no rotation record and its own token bookkeeping, which a
+        compacted cache would contradict. The Llama stays the owner and must stay open."""
+        ptr = getattr(llm, "model", None)
+        path = getattr(llm, "model_path", None)
+        if not ptr or not path:
+            raise ModelError("expected an open llama_cpp.Llama (it has no loaded model)")
+        self = cls.__new__(cls)
+        lib()  # edgekv's log capture and backend initialisation
+        self.path = Path(path)
+        self.n_gpu_layers = int(getattr(getattr(llm, "model_params", None), "n_gpu_layers", 0) or 0)
+        self.ptr = ptr
+        self._owner = llm  # keeps the Llama, and so the weights, alive as long as this Model
+        self._setup()
+        return self
+
+    def _setup(self) -> None:
+        L = lib()
         self.vocab = L.llama_model_get_vocab(self.ptr)
         self.arch = self._read_arch()
         if self.arch.is_recurrent or self.arch.is_hybrid:
@@ -268,9 +292,10 @@ class Model(_Owned):
         return buf.raw[:n].decode("utf-8", "replace")
 
     def close(self) -> None:
-        if getattr(self, "ptr", None):
+        if getattr(self, "ptr", None) and getattr(self, "_owner", None) is None:
             lib().llama_model_free(self.ptr)
-            self.ptr = None
+        self.ptr = None
+        self._owner = None
 
 
 def _rotation_from_log(log: str) -> tuple[int, int]:

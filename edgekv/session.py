@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -33,6 +34,17 @@ from .llama import Context, Model, Sampler, SamplerConfig
 from .methods import Method, get_method
 
 ProgressFn = Callable[[int, int], None]
+
+
+class Event(NamedTuple):
+    """One compression: tokens seen when it ran, cells before and after."""
+
+    tokens_seen: int
+    before: int
+    after: int
+
+
+CompressFn = Callable[[Event], None]
 
 
 @dataclass
@@ -47,7 +59,7 @@ class Stats:
     tokens_seen: int = 0
     tokens_evicted: int = 0
     compress_seconds: float = 0.0
-    events: list[tuple[int, int, int]] = field(default_factory=list)  # (tokens_seen, before, after)
+    events: list[Event] = field(default_factory=list)
 
     @property
     def kv_bytes(self) -> int:
@@ -63,11 +75,17 @@ class Stats:
 
 
 class Session:
-    """One sequence on one model, with bounded-memory decoding."""
+    """One sequence on one model, with bounded-memory decoding.
+
+    Not thread-safe: one thread at a time may call a Session. Several sessions
+    may share one ``Model`` (llama.cpp only reads the weights), each with its own
+    context; calls into different sessions from different threads are safe but
+    compete for the same cores.
+    """
 
     def __init__(
         self,
-        model: Model | str | Path,
+        model: Model | str | Path | object,
         *,
         method: str | Method = "full",
         budget: int | None = None,
@@ -82,11 +100,20 @@ class Session:
         method_params: dict[str, object] | None = None,
         observe: int = 0,
         tally: bool = False,
+        on_compress: CompressFn | None = None,
     ) -> None:
-        """``observe``: record the newest queries of that many tokens from the start, and
-        ``tally``: the attention every cell accumulates (H2O), for attention methods a
-        later ``use`` switches to (a method given here records what it needs by itself)."""
-        self.model = model if isinstance(model, Model) else Model(model)
+        """``model``: a GGUF path, a ``Model``, or an open ``llama_cpp.Llama`` whose loaded
+        weights are shared (``Model.from_llama``). ``observe``: record the newest queries of
+        that many tokens from the start, and ``tally``: the attention every cell accumulates
+        (H2O), for attention methods a later ``use`` switches to (a method given here records
+        what it needs by itself). ``on_compress`` is called after every compression."""
+        if isinstance(model, Model):
+            self.model = model
+        elif isinstance(model, (str, Path)):
+            self.model = Model(model)
+        else:
+            self.model = Model.from_llama(model)
+        self.on_compress = on_compress
         method = method if isinstance(method, Method) else get_method(method, **(method_params or {}))
         if chunk < 1:
             raise BudgetError(f"chunk must be positive, got {chunk}")
@@ -95,7 +122,7 @@ class Session:
             n_ctx = budget + chunk if budget is not None else min(arch.n_ctx_train or 4096, 4096)
         self.capacity = n_ctx  # edgekv's promise in cells; llama.cpp may round its allocation (ctx.n_ctx) up
         self._chunk_request = chunk
-        _check_budget(method, budget, ratio, n_ctx)
+        check_budget(method, budget, ratio, n_ctx)
         n_batch = _chunk_for(method, budget, ratio, n_ctx, chunk)
         self.ctx = Context(
             self.model,
@@ -135,7 +162,7 @@ class Session:
                 f"method {method.name!r} needs {', '.join(sorted(missing))}, which the {self.engine.name} engine "
                 "lacks (the native engine has it: a patched libllama and a model without sliding-window layers)"
             )
-        _check_budget(method, budget, ratio, self.capacity)
+        check_budget(method, budget, ratio, self.capacity)
         method.attach(self.model.info)
         window = self.engine.window
         size = window.size if window is not None else 0
@@ -188,7 +215,10 @@ class Session:
         s.compress_seconds += dt
         s.cells = self.engine.n_cells
         s.tokens_evicted += before - s.cells
-        s.events.append((s.tokens_seen, before, s.cells))
+        event = Event(s.tokens_seen, before, s.cells)
+        s.events.append(event)
+        if self.on_compress is not None:
+            self.on_compress(event)
         # The last logits stay valid: they were computed over the uncompressed
         # cache (the best next-token distribution there is), and
         # llama_state_seq_set_data leaves llama.cpp's output buffer alone.
@@ -259,17 +289,24 @@ class Session:
             self._sampler = Sampler(cfg)
         return self._sampler
 
-    def generate_tokens(self, max_tokens: int, sampler: SamplerConfig | None = None) -> Iterator[int]:
-        """Sample up to max_tokens, stopping at end-of-generation; each sampled token is fed back."""
-        chain = self._get_sampler(sampler or SamplerConfig())
+    def step(self, sampler: SamplerConfig | None = None) -> int | None:
+        """Sample one token and feed it back; None at end-of-generation (nothing is fed then).
+        The unit a server interleaves conversations by."""
         if not self._has_logits:
             raise EdgekvError("nothing to continue from: feed a prompt first")
+        tok = self._get_sampler(sampler or SamplerConfig()).sample(self.ctx)
+        if self.model.is_eog(tok):
+            return None
+        self.feed([tok])
+        return tok
+
+    def generate_tokens(self, max_tokens: int, sampler: SamplerConfig | None = None) -> Iterator[int]:
+        """Sample up to max_tokens, stopping at end-of-generation; each sampled token is fed back."""
         for _ in range(max_tokens):
-            tok = chain.sample(self.ctx)
-            if self.model.is_eog(tok):
+            tok = self.step(sampler)
+            if tok is None:
                 return
             yield tok
-            self.feed([tok])
 
     def generate(self, max_tokens: int, sampler: SamplerConfig | None = None) -> Iterator[str]:
         """Stream text; bytes of multi-byte characters are joined before they are yielded."""
@@ -340,7 +377,7 @@ class Session:
         self.close()
 
 
-def _check_budget(method: Method, budget: int | None, ratio: float | None, capacity: int) -> None:
+def check_budget(method: Method, budget: int | None, ratio: float | None, capacity: int) -> None:
     """The one-line errors for a budget rule this session cannot keep."""
     if budget is not None and ratio is not None:
         raise BudgetError("give either --budget or --ratio, not both")
@@ -388,7 +425,7 @@ class Chat:
              progress: ProgressFn | None = None) -> Iterator[str]:
         self.messages.append({"role": "user", "content": text})
         prompt = self.session.model.apply_chat_template(self.messages, add_assistant=True)
-        common = _common_prefix(self._rendered, prompt)
+        common = common_prefix(self._rendered, prompt)
         self.session.feed_text(prompt[common:], add_special=self.session.n_past == 0, progress=progress)
         reply: list[str] = []
         for piece in self.session.generate(max_tokens, sampler):
@@ -400,7 +437,7 @@ class Chat:
         self._rendered = prompt + answer
 
 
-def _common_prefix(a: str, b: str) -> int:
+def common_prefix(a: str, b: str) -> int:
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:
@@ -408,4 +445,4 @@ def _common_prefix(a: str, b: str) -> int:
     return i
 
 
-__all__ = ["Chat", "SamplerConfig", "Session", "Stats"]
+__all__ = ["Chat", "Event", "SamplerConfig", "Session", "Stats"]

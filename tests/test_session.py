@@ -147,6 +147,8 @@ def test_session_file_roundtrip_and_wrong_files(smollm2, tmp_path) -> None:
     data = f.read_bytes()
     trunc = tmp_path / "trunc.ekv"
     trunc.write_bytes(data[: len(data) // 2])
+    flipped = tmp_path / "flipped.ekv"  # one bit inside the K/V payload: caught by the checksum
+    flipped.write_bytes(data[: len(data) // 2] + bytes([data[len(data) // 2] ^ 4]) + data[len(data) // 2 + 1 :])
     # headers that parse as JSON but are not a session header
     odd = []
     for i, header in enumerate((b"[1, 2]", b'{"version": 2, "arrays": []}', b'{"version": 2, "arrays": [7]}')):
@@ -156,7 +158,7 @@ def test_session_file_roundtrip_and_wrong_files(smollm2, tmp_path) -> None:
     with Session(smollm2, method="knorm", budget=48, n_ctx=256, cache_type_k="q8_0",
                  cache_type_v="q8_0", flash_attn="on", n_threads=2) as s3:
         s3.feed(toks[:10])
-        for path, msg in ((bad, "not an edgekv session"), (trunc, "truncated"),
+        for path, msg in ((bad, "not an edgekv session"), (trunc, "corrupted"), (flipped, "checksum"),
                           (f, "cache type"), (tmp_path / "missing.ekv", "does not exist"), *odd):
             with pytest.raises(EdgekvError, match=msg) as e:
                 s3.load_file(path)

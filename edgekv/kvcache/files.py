@@ -3,7 +3,7 @@
 Like mlx-lm's ``save_prompt_cache`` / ``load_prompt_cache``: module functions
 beside the cache state. The header says what the cells were made with (model,
 cache types, positions); the caller checks it against the live session before
-anything touches the cache. Layout (version 3)::
+anything touches the cache. Layout (version 4)::
 
     b"EDGEKV\\x00\\x01"  u32 header length  header (JSON)
     token map  int32 little-endian, header["token_pos_shape"]
@@ -13,13 +13,17 @@ anything touches the cache. Layout (version 3)::
     cell stands for; header["bias"] says whether attention adds their log),
     "window_q" and "window_pos" (the observation window; its size and layers in
     header["window"]), "tally" (H2O's accumulated attention)
+    SHA-256 of every byte above (32 bytes)
 
-Version 2 files (a "bias" array: the log of the counts, applied in attention)
+The digest is checked before anything else is read: a bit flip or splice inside
+the K/V payload would otherwise load as a silently different cache. Version 3
+files (the same without the digest), version 2 files (a "bias" array: the log of the counts, applied in attention)
 and version 1 files (that bias only, as header["bias_shape"]) still load.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -30,7 +34,8 @@ from .engine import CacheState
 from .queries import QueryWindow
 
 MAGIC = b"EDGEKV\x00\x01"
-VERSION = 3
+VERSION = 4
+DIGEST = 32  # bytes of the SHA-256 trailer
 
 
 def _arrays(state: CacheState) -> dict[str, np.ndarray]:
@@ -54,13 +59,15 @@ def save_cache_file(path: str | Path, state: CacheState, header: dict) -> None:
     if state.window is not None:
         header["window"] = {"size": state.window.size, "layers": list(state.window.layers)}
     hb = json.dumps(header).encode()
+    parts = [MAGIC + len(hb).to_bytes(4, "little") + hb, state.token_pos.astype("<i4").tobytes(), state.blob,
+             *(a.tobytes() for a in arrays.values())]
+    digest = hashlib.sha256()
     tmp = Path(str(path) + ".part")
     with open(tmp, "wb") as f:
-        f.write(MAGIC + len(hb).to_bytes(4, "little") + hb)
-        f.write(state.token_pos.astype("<i4").tobytes())
-        f.write(state.blob)
-        for a in arrays.values():
-            f.write(a.tobytes())
+        for part in parts:
+            digest.update(part)
+            f.write(part)
+        f.write(digest.digest())
     tmp.replace(path)
 
 
@@ -73,16 +80,23 @@ def load_cache_file(path: str | Path, engine: str) -> tuple[CacheState, dict]:
     data = path.read_bytes()
     if not data.startswith(MAGIC):
         raise EdgekvError(f"{path} is not an edgekv session file")
+    if len(data) > DIGEST + 12 and hashlib.sha256(data[:-DIGEST]).digest() == data[-DIGEST:]:
+        data = data[:-DIGEST]
+        checked = True
+    else:
+        checked = False  # a version 3 (or older) file, or a corrupted one: the header says which
     try:
         hl = int.from_bytes(data[8:12], "little")
         header = json.loads(data[12 : 12 + hl])
         if not isinstance(header, dict):
             raise ValueError("the header is not an object")
         version = header.get("version")
+        if version == VERSION and not checked:
+            raise EdgekvError(f"{path}: session file is corrupted (checksum mismatch)")
         if version == 1:  # the bias was the only array
             bs = header.get("bias_shape")
             specs = [{"name": "bias", "dtype": "f4", "shape": bs}] if bs else []
-        elif version in (2, VERSION):
+        elif version in (2, 3, VERSION):
             specs = header["arrays"]
         else:
             raise EdgekvError(f"{path}: session file version {version} is not supported")

@@ -1,0 +1,281 @@
+"""Conversations across stateless requests: recognise them, keep them live, save, resume.
+
+The OpenAI API resends the whole message list every turn, while a compressed
+cache cannot be matched token by token against it: it no longer holds every
+token. So each conversation keeps what its cache was fed, as messages and as
+text. A request whose messages extend a known conversation's (its own reply
+included) feeds only the new suffix into that conversation's cache; a request
+that edits the past starts a new conversation.
+
+Every conversation has its own llama.cpp context (one ``Session``) on the one
+loaded model. At most ``max_live`` contexts exist; the least recently used
+idle conversation is written to a session file and its context freed, and it
+is loaded again when a request continues it. Only the worker thread mutates
+the store; ``lock`` guards what the stats endpoint reads.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..llama import Model
+from ..methods import METHODS, Method, get_method
+from ..session import Session, Stats, check_budget, common_prefix
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How one conversation's cache is compressed, chosen by its first request."""
+
+    method: str
+    budget: int | None = None
+    ratio: float | None = None
+    params: tuple[tuple[str, object], ...] = ()
+
+    def make_method(self) -> Method:
+        return get_method(self.method, **dict(self.params))
+
+    def check(self, capacity: int) -> None:
+        """The one-line errors for settings no conversation could run with."""
+        check_budget(self.make_method(), self.budget, self.ratio, capacity)
+
+
+@dataclass
+class ServerConfig:
+    """What every conversation shares: the model, the context shape and the server's limits."""
+
+    model: Model
+    model_id: str
+    n_ctx: int
+    defaults: Settings
+    state_dir: Path
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    flash_attn: str = "auto"
+    threads: int | None = None
+    engine: str = "auto"
+    chunk: int = 256
+    max_live: int = 4
+    max_conversations: int = 256
+    max_prompt_tokens: int = 16384
+    max_tokens: int = 512
+    temperature: float = 0.7
+
+    def settings(self, method: str | None, budget: int | None, ratio: float | None,
+                 params: dict[str, object] | None) -> Settings:
+        """A request's choice, completed by the server's defaults (a method named without a
+        budget or ratio takes the server's budget rule, unless it is ``full``)."""
+        if method is None and budget is None and ratio is None and not params:
+            return self.defaults
+        method = method or self.defaults.method
+        if budget is None and ratio is None and method != "full":
+            budget, ratio = self.defaults.budget, self.defaults.ratio
+        return Settings(method, budget, ratio, tuple(sorted((params or {}).items())))
+
+
+@dataclass
+class Conversation:
+    """One conversation: what its cache holds and where the cache is (a live context or a file)."""
+
+    id: str
+    kind: str  # "chat" or "completion"
+    settings: Settings
+    messages: list[dict[str, str]] = field(default_factory=list)  # chat: as fed, the replies included
+    text: str = ""  # everything the cache was fed, as text
+    session: Session | None = None
+    file: Path | None = None
+    stats: Stats | None = None  # the session's counters, kept while it is on disk
+    merges: bool = False  # the method merges cells instead of evicting them
+    busy: bool = False
+    last_used: float = field(default_factory=time.time)
+    requests: int = 0
+    prefill: tuple[int, int] | None = None  # (done, total) while a prompt is being fed
+
+    @property
+    def live(self) -> bool:
+        return self.session is not None
+
+    def current_stats(self) -> Stats | None:
+        return self.session.stats if self.session is not None else self.stats
+
+
+def _same_message(a: dict[str, str], b: dict[str, str]) -> bool:
+    if a["role"] != b["role"]:
+        return False
+    if a["role"] == "assistant":  # clients may trim a reply they display
+        return a["content"].strip() == b["content"].strip()
+    return a["content"] == b["content"]
+
+
+class Store:
+    """All conversations of one server, the live ones in least-recently-used order."""
+
+    def __init__(self, cfg: ServerConfig) -> None:
+        self.cfg = cfg
+        self.convs: OrderedDict[str, Conversation] = OrderedDict()  # oldest use first
+        self.lock = threading.Lock()
+        self.saves = 0
+        self.resumes = 0
+        cfg.state_dir.mkdir(parents=True, exist_ok=True)
+
+    # -- finding ---------------------------------------------------------------
+    def find_chat(self, messages: list[dict[str, str]], settings: Settings | None) -> Conversation | None:
+        """The idle conversation whose messages (its replies included) the request's extend,
+        the longest such; ``settings`` None matches any."""
+        best: Conversation | None = None
+        for conv in self.convs.values():
+            if conv.kind != "chat" or conv.busy or (settings is not None and conv.settings != settings):
+                continue
+            k = len(conv.messages)
+            if k == 0 or k >= len(messages) or not all(map(_same_message, conv.messages, messages[:k])):
+                continue
+            if best is None or k > len(best.messages):
+                best = conv
+        return best
+
+    def find_completion(self, prompt: str, settings: Settings | None) -> Conversation | None:
+        best: Conversation | None = None
+        for conv in self.convs.values():
+            if conv.kind != "completion" or conv.busy or (settings is not None and conv.settings != settings):
+                continue
+            if conv.text and len(conv.text) < len(prompt) and prompt.startswith(conv.text):
+                if best is None or len(conv.text) > len(best.text):
+                    best = conv
+        return best
+
+    # -- lifecycle ---------------------------------------------------------------
+    def new(self, kind: str, settings: Settings) -> Conversation:
+        conv = Conversation(id="conv-" + uuid.uuid4().hex[:16], kind=kind, settings=settings)
+        with self.lock:
+            self.convs[conv.id] = conv
+        self._forget_oldest()
+        return conv
+
+    def touch(self, conv: Conversation) -> None:
+        conv.last_used = time.time()
+        with self.lock:
+            self.convs.move_to_end(conv.id)
+
+    def make_live(self, conv: Conversation) -> bool:
+        """Give ``conv`` a context, saving the least recently used idle one to disk if all
+        ``max_live`` are taken; False when every live conversation is busy (try again later)."""
+        if conv.live:
+            return True
+        live = [c for c in self.convs.values() if c.live]
+        if len(live) >= self.cfg.max_live:
+            idle = [c for c in live if not c.busy]
+            if not idle:
+                return False
+            self.save(idle[0])  # the least recently used
+        cfg = self.cfg
+        s = conv.settings
+        sess = Session(cfg.model, method=s.method, budget=s.budget, ratio=s.ratio, n_ctx=cfg.n_ctx,
+                       chunk=cfg.chunk, cache_type_k=cfg.cache_type_k, cache_type_v=cfg.cache_type_v,
+                       flash_attn=cfg.flash_attn, n_threads=cfg.threads, engine=cfg.engine,
+                       method_params=dict(s.params))
+        try:
+            if conv.file is not None:
+                sess.load_file(conv.file)
+                if conv.stats is not None:
+                    conv.stats.cells = sess.engine.n_cells
+                    sess.stats = conv.stats
+                self.resumes += 1
+        except BaseException:
+            sess.close()
+            raise
+        conv.merges = "merge" in sess.method.needs
+        with self.lock:
+            conv.session, conv.stats = sess, None
+        return True
+
+    def save(self, conv: Conversation) -> None:
+        """Write a live conversation to its session file and free its context."""
+        assert conv.session is not None and not conv.busy
+        path = self.cfg.state_dir / f"{conv.id}.ekv"
+        conv.session.save_file(path)
+        with self.lock:
+            conv.file, conv.stats = path, conv.session.stats
+            sess, conv.session = conv.session, None
+        sess.close()
+        self.saves += 1
+
+    def drop(self, conv: Conversation) -> None:
+        """Forget a conversation: its context and its file."""
+        with self.lock:
+            self.convs.pop(conv.id, None)
+            sess, conv.session = conv.session, None
+        if sess is not None:
+            sess.close()
+        if conv.file is not None:
+            conv.file.unlink(missing_ok=True)
+            conv.file = None
+
+    def _forget_oldest(self) -> None:
+        """Past ``max_conversations``, the least recently used idle ones are forgotten (a later
+        request for one starts over from its messages: slower, nothing wrong)."""
+        while len(self.convs) > self.cfg.max_conversations:
+            idle = [c for c in self.convs.values() if not c.busy]
+            if not idle:
+                return
+            self.drop(idle[0])
+
+    def close(self) -> None:
+        for conv in list(self.convs.values()):
+            self.drop(conv)
+
+    # -- reporting -------------------------------------------------------------------
+    def describe(self, conv: Conversation) -> dict[str, object]:
+        s = conv.current_stats()
+        cells = s.cells if s else 0
+        per_cell = s.kv_bytes_per_cell if s else 0
+        removed = s.tokens_evicted if s else 0
+        return {
+            "id": conv.id, "kind": conv.kind, "method": conv.settings.method,
+            "budget": conv.settings.budget, "ratio": conv.settings.ratio,
+            "params": dict(conv.settings.params),
+            "state": "busy" if conv.busy else ("live" if conv.live else ("saved" if conv.file else "new")),
+            "capacity": self.cfg.n_ctx, "cells": cells, "peak_cells": s.peak_cells if s else 0,
+            "compressions": s.compressions if s else 0, "tokens_seen": s.tokens_seen if s else 0,
+            "tokens_evicted": 0 if conv.merges else removed, "tokens_merged": removed if conv.merges else 0,
+            "kv_bytes": cells * per_cell, "kv_bytes_allocated": self.cfg.n_ctx * per_cell if conv.live else 0,
+            "events": [list(e) for e in (s.events[-64:] if s else [])],
+            "prefill": list(conv.prefill) if conv.prefill else None,
+            "requests": conv.requests, "last_used": conv.last_used,
+            "engine": conv.session.engine.name if conv.session is not None else None,
+        }
+
+    def snapshot(self) -> dict[str, object]:
+        with self.lock:
+            convs = [self.describe(c) for c in self.convs.values()]
+        live = [c for c in convs if c["state"] in ("live", "busy")]
+        return {
+            "model": self.cfg.model_id, "n_ctx": self.cfg.n_ctx, "max_live": self.cfg.max_live,
+            "max_prompt_tokens": self.cfg.max_prompt_tokens,
+            "defaults": {"method": self.cfg.defaults.method, "budget": self.cfg.defaults.budget,
+                         "ratio": self.cfg.defaults.ratio},
+            "methods": list(METHODS),
+            "conversations": convs,
+            "totals": {
+                "conversations": len(convs), "live": len(live), "saved": sum(c["state"] == "saved" for c in convs),
+                "cells": sum(int(c["cells"]) for c in live),
+                "kv_bytes": sum(int(c["kv_bytes"]) for c in live),
+                "kv_bytes_allocated": sum(int(c["kv_bytes_allocated"]) for c in live),
+                "saves": self.saves, "resumes": self.resumes,
+            },
+        }
+
+
+def budget_rule(settings: Settings) -> str:
+    if settings.budget is not None:
+        return f"budget {settings.budget}"
+    if settings.ratio is not None:
+        return f"ratio {settings.ratio}"
+    return "halve when full" if settings.method != "full" else "no compression"
+
+
+__all__ = ["Conversation", "ServerConfig", "Settings", "Store", "budget_rule", "common_prefix"]

@@ -1,0 +1,249 @@
+"""One request's turn, as steps the worker interleaves with other conversations' steps.
+
+llama.cpp computes on all cores at once, so requests are not run in parallel
+threads: one worker thread takes the active turns round-robin, one step each
+(a prefill chunk or one generated token), so four conversations stream at the
+same time instead of one after another.
+"""
+
+from __future__ import annotations
+
+import codecs
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from ..errors import EdgekvError
+from ..llama import SamplerConfig
+from .conversations import Settings, Store, common_prefix
+
+log = logging.getLogger("edgekv.server")
+
+# What a turn yields: None (a step with nothing to report) or (kind, payload) with kind
+# "ready" (checks passed, output follows), "delta" (text), "done" (finish and counters).
+TurnEvent = tuple[str, object] | None
+
+
+class RequestError(EdgekvError):
+    """A request that cannot be served as asked: an OpenAI-format error with this status."""
+
+    def __init__(self, message: str, *, status: int = 400, code: str | None = None, param: str | None = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.code, self.param, self.kind = status, code, param, kind
+
+    def body(self) -> dict[str, object]:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Turn:
+    """A parsed, validated request."""
+
+    kind: str  # "chat" or "completion"
+    settings: Settings | None  # None: the request chose nothing (continue any, new ones take the defaults)
+    max_tokens: int
+    sampler: SamplerConfig
+    messages: list[dict[str, str]] = field(default_factory=list)
+    prompt: str = ""
+    stop: tuple[str, ...] = ()
+
+
+def _hold_back(text: str, stops: tuple[str, ...]) -> int:
+    """How many trailing characters of ``text`` could begin a stop string (not sent yet)."""
+    n = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), n, -1):
+            if text.endswith(s[:k]):
+                n = k
+                break
+    return n
+
+
+def run_turn(store: Store, turn: Turn) -> Iterator[TurnEvent]:
+    """Find or start the conversation, feed what is new, generate; the conversation is dropped
+    if the turn fails or is abandoned once its cache was touched (its text would be wrong)."""
+    cfg = store.cfg
+    if turn.kind == "chat":
+        conv = store.find_chat(turn.messages, turn.settings)
+    else:
+        conv = store.find_completion(turn.prompt, turn.settings)
+    continued = conv is not None
+    if conv is None:
+        conv = store.new(turn.kind, turn.settings or cfg.defaults)
+    conv.busy = True
+    touched = finished = False
+    try:
+        while not store.make_live(conv):
+            yield None  # every live context is busy: wait for a turn to end
+        store.touch(conv)
+        sess = conv.session
+        assert sess is not None
+        model = sess.model
+        rendered = model.apply_chat_template(turn.messages, add_assistant=True) if turn.kind == "chat" else turn.prompt
+        start = common_prefix(conv.text, rendered) if continued else 0
+        tokens = model.tokenize(rendered[start:], add_special=not continued, parse_special=True)
+        cached = sess.stats.tokens_seen
+        if not tokens:
+            raise RequestError("the request adds nothing to the conversation", param="messages")
+        if len(tokens) > cfg.max_prompt_tokens:
+            raise RequestError(
+                f"the request adds {len(tokens)} prompt tokens; this server prefills at most "
+                f"{cfg.max_prompt_tokens} per request (--max-prompt-tokens)", code="prompt_too_long", param="messages")
+        if not sess.method.compresses and sess.engine.n_cells + len(tokens) + 1 > cfg.n_ctx:
+            raise RequestError(
+                f"method {sess.method.name!r} keeps every token: {sess.engine.n_cells} cached + {len(tokens)} new "
+                f"do not fit in --n-ctx {cfg.n_ctx} with room to answer; choose a compressing method",
+                code="context_length_exceeded", param="messages")
+        stats = sess.stats
+        compressions0, removed0 = stats.compressions, stats.tokens_evicted
+        yield ("ready", {"conversation": conv.id, "continued": continued})
+        touched = True
+        conv.prefill = (0, len(tokens))
+        for i in range(0, len(tokens), sess.chunk):
+            sess.feed(tokens[i : i + sess.chunk])
+            conv.prefill = (min(i + sess.chunk, len(tokens)), len(tokens))
+            yield None
+        conv.prefill = None
+        conv.text += rendered[start:]  # the cache may hold more of an old reply than the client kept
+        dec = codecs.getincrementaldecoder("utf-8")("replace")
+        sent: list[str] = []
+        pending = ""  # generated text that may begin a stop string
+        finish = "length"
+        cut = False
+        n_out = 0
+        for _ in range(turn.max_tokens):
+            if not sess.method.compresses and sess.engine.n_cells + 1 > cfg.n_ctx:
+                break  # the full cache is full: "length", as OpenAI reports a context-bound reply
+            tok = sess.step(turn.sampler)
+            if tok is None:
+                finish = "stop"
+                break
+            n_out += 1
+            piece = dec.decode(model.piece(tok))
+            conv.text += piece
+            pending += piece
+            hit = min((i for i in (pending.find(s) for s in turn.stop) if i >= 0), default=-1)
+            if hit >= 0:
+                pending, finish, cut = pending[:hit], "stop", True
+                break
+            keep = _hold_back(pending, turn.stop)
+            out, pending = pending[: len(pending) - keep], pending[len(pending) - keep :]
+            if out:
+                sent.append(out)
+                yield ("delta", out)
+            else:
+                yield None
+        tail = pending if cut else pending + dec.decode(b"", final=True)
+        if tail:
+            sent.append(tail)
+            yield ("delta", tail)
+        reply = "".join(sent)
+        if turn.kind == "chat":
+            conv.messages = [*turn.messages, {"role": "assistant", "content": reply}]
+        conv.requests += 1
+        store.touch(conv)
+        removed = stats.tokens_evicted - removed0
+        info = store.describe(conv)
+        info.update(conversation=conv.id, continued=continued,
+                    compressions_this_request=stats.compressions - compressions0,
+                    evicted=0 if conv.merges else removed, merged=removed if conv.merges else 0)
+        for key in ("id", "kind", "state", "events", "prefill", "last_used"):
+            info.pop(key, None)
+        finished = True
+        yield ("done", {"finish_reason": finish, "content": reply, "edgekv": info,
+                        "usage": {"prompt_tokens": cached + len(tokens), "completion_tokens": n_out,
+                                  "total_tokens": cached + len(tokens) + n_out,
+                                  "prompt_tokens_details": {"cached_tokens": cached}}})
+    finally:
+        conv.busy = False
+        conv.prefill = None
+        if not finished and (touched or not continued):
+            store.drop(conv)
+
+
+class Job:
+    """One turn in the worker's queue; ``emit`` hands its events to the request's handler."""
+
+    def __init__(self, steps: Iterator[TurnEvent], emit: Callable[[tuple[str, object]], None]) -> None:
+        self.steps, self.emit = steps, emit
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        """The client went away: the worker closes the turn at its next step."""
+        self.cancelled = True
+
+
+class Worker:
+    """The one thread that runs llama.cpp for every conversation, a step per turn round-robin."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._jobs: deque[Job] = deque()
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="edgekv-worker", daemon=True)
+        self._thread.start()
+
+    def submit(self, turn: Turn, emit: Callable[[tuple[str, object]], None]) -> Job:
+        job = Job(run_turn(self.store, turn), emit)
+        with self._cv:
+            self._jobs.append(job)
+            self._cv.notify()
+        return job
+
+    @property
+    def active(self) -> int:
+        return len(self._jobs)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._jobs and not self._stopping:
+                    self._cv.wait()
+                if self._stopping:
+                    break
+                job = self._jobs.popleft()
+            if job.cancelled:
+                job.steps.close()
+                continue
+            try:
+                event = next(job.steps)
+            except StopIteration:
+                continue
+            except RequestError as e:
+                self._emit(job, ("error", e))
+                continue
+            except EdgekvError as e:
+                self._emit(job, ("error", RequestError(str(e))))
+                continue
+            except Exception as e:  # a bug: keep serving the others, report it
+                log.exception("turn failed")
+                self._emit(job, ("error", RequestError(f"internal error: {type(e).__name__}: {e}", status=500,
+                                                       kind="server_error")))
+                continue
+            if event is not None:
+                self._emit(job, event)
+            with self._cv:
+                self._jobs.append(job)
+
+    def _emit(self, job: Job, event: tuple[str, object]) -> None:
+        try:
+            job.emit(event)
+        except RuntimeError:  # the handler's event loop is gone
+            job.cancel()
+
+    def close(self) -> None:
+        """Stop after the current step; abandoned turns drop their conversations."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join(timeout=60)
+        for job in self._jobs:
+            job.steps.close()
+        self._jobs.clear()
+
+
+__all__ = ["Job", "RequestError", "Turn", "Worker", "run_turn"]
