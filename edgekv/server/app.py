@@ -151,8 +151,9 @@ class App:
         if body.get("logprobs") or body.get("echo") or body.get("suffix") is not None:
             name = "logprobs" if body.get("logprobs") else ("echo" if body.get("echo") else "suffix")
             raise RequestError(f"'{name}' is not supported by edgekv serve", param=name, code="unsupported_parameter")
-        if _number(body, "n", 1, 1, integer=True, default=1) != 1 or _number(body, "best_of", 1, 1, integer=True, default=1) != 1:
-            raise RequestError("only n = 1 is supported", param="n", code="unsupported_parameter")
+        for name in ("n", "best_of"):
+            if _number(body, name, 1, 1 << 10, integer=True, default=1) != 1:
+                raise RequestError(f"only {name} = 1 is supported", param=name, code="unsupported_parameter")
         return body
 
     def _turn(self, body: dict, kind: str) -> Turn:

@@ -152,16 +152,18 @@ def run_turn(store: Store, turn: Turn) -> Iterator[TurnEvent]:
                     evicted=0 if conv.merges else removed, merged=removed if conv.merges else 0)
         for key in ("id", "kind", "state", "events", "prefill", "last_used"):
             info.pop(key, None)
-        finished = True
+        finished = True  # the conversation is whole again: free for the next request before the reply is out
+        conv.busy = False
         yield ("done", {"finish_reason": finish, "content": reply, "edgekv": info,
                         "usage": {"prompt_tokens": cached + len(tokens), "completion_tokens": n_out,
                                   "total_tokens": cached + len(tokens) + n_out,
                                   "prompt_tokens_details": {"cached_tokens": cached}}})
     finally:
-        conv.busy = False
-        conv.prefill = None
-        if not finished and (touched or not continued):
-            store.drop(conv)
+        if not finished:
+            conv.busy = False
+            conv.prefill = None
+            if touched or not continued:
+                store.drop(conv)
 
 
 class Job:

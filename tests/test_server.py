@@ -1,0 +1,322 @@
+"""edgekv serve, driven by OpenAI's own Python client over loopback, on the real model.
+
+Every test checks the server's account (responses, the stats endpoint) against the
+engines behind it: cells per conversation, no conversation left busy or leaked.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from _server import config, engine_view, running
+
+from edgekv.server import App, Settings
+
+MODEL = "smollm2-135m"
+
+
+def _client(base: str, **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, timeout=300, **kw)
+
+
+def _stats(base: str, headers: dict[str, str] | None = None) -> dict:
+    req = urllib.request.Request(base + "/v1/edgekv/stats", headers=headers or {})
+    with urllib.request.urlopen(req) as r:
+        return json.load(r)
+
+
+def _post(base: str, path: str, data: bytes) -> tuple[int, dict]:
+    req = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+
+def _consistent(base: str, app: App) -> dict:
+    """The stats endpoint agrees with the engines, and nothing is busy or half-made."""
+    snap = _stats(base)
+    live = {c["id"]: c["cells"] for c in snap["conversations"] if c["state"] in ("live", "busy")}
+    assert live == engine_view(app)
+    assert snap["totals"]["cells"] == sum(live.values())
+    assert all(c["state"] != "busy" for c in snap["conversations"])
+    assert snap["totals"]["active_requests"] == 0
+    for conv in app.store.convs.values():
+        if conv.session is not None:
+            s = conv.session
+            assert s.stats.cells == s.engine.n_cells <= app.cfg.n_ctx
+            assert s.stats.tokens_seen == s.n_past  # no position shift here: one position per token
+    return snap
+
+
+@pytest.fixture(scope="module")
+def served(smollm2, tmp_path_factory):
+    app = App(config(smollm2, tmp_path_factory.mktemp("conversations")))
+    with running(app) as base:
+        yield base, app
+
+
+def test_models_and_a_conversation_streamed_and_not(served) -> None:
+    base, app = served
+    c = _client(base)
+    assert [m.id for m in c.models.list().data] == [MODEL]
+    msgs = [{"role": "user", "content": "Name three colours."}]
+    r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24)
+    text = r.choices[0].message.content
+    assert text and r.choices[0].finish_reason in ("stop", "length")
+    ek = r.model_extra["edgekv"]
+    assert ek["continued"] is False and ek["method"] == "knorm" and ek["budget"] == 160
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    assert ek["tokens_seen"] == r.usage.total_tokens  # every token fed went through the cache
+    # the same first turn, streamed: a new conversation (it does not extend the first one),
+    # and greedy decoding gives the same text
+    pieces, final = [], None
+    for ch in c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, stream=True,
+                                        stream_options={"include_usage": True}):
+        if ch.choices and ch.choices[0].delta.content:
+            pieces.append(ch.choices[0].delta.content)
+        if ch.choices and ch.choices[0].finish_reason:
+            final = ch
+        if ch.usage:
+            assert ch.usage.completion_tokens == r.usage.completion_tokens
+    assert "".join(pieces) == text
+    assert final is not None and final.model_extra["edgekv"]["conversation"] != ek["conversation"]
+    # the next turn of the first conversation feeds only what is new
+    msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": "And three animals?"}]
+    r2 = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24)
+    ek2 = r2.model_extra["edgekv"]
+    assert ek2["conversation"] == ek["conversation"] and ek2["continued"] is True
+    assert r2.usage.prompt_tokens_details.cached_tokens == r.usage.total_tokens
+    assert ek2["tokens_seen"] == r2.usage.total_tokens
+    # an edit of the past starts over
+    msgs[0] = {"role": "user", "content": "Name three shapes."}
+    r3 = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8)
+    assert r3.model_extra["edgekv"]["continued"] is False
+    _consistent(base, app)
+
+
+def test_completions_continue_a_prompt(served) -> None:
+    base, app = served
+    c = _client(base)
+    prompt = "The capital of France is"
+    r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=8)
+    assert r.choices[0].text and r.model_extra["edgekv"]["continued"] is False
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=8, stream=True) if ch.choices)
+    assert streamed == r.choices[0].text
+    r2 = c.completions.create(model=MODEL, prompt=prompt + r.choices[0].text + " The capital of Italy is", max_tokens=8)
+    assert r2.model_extra["edgekv"]["continued"] is True
+    assert r2.model_extra["edgekv"]["conversation"] == r.model_extra["edgekv"]["conversation"]
+    # a stop string ends the reply before it, and is not sent
+    r3 = c.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=16, stop=[" 7"])
+    assert r3.choices[0].finish_reason == "stop" and " 7" not in r3.choices[0].text and "6" in r3.choices[0].text
+    _consistent(base, app)
+
+
+@pytest.mark.slow
+def test_four_concurrent_conversations_with_different_methods(served) -> None:
+    base, app = served
+    methods = {"knorm": {"budget": 96}, "streaming_llm": {"budget": 128}, "lagkv": {"ratio": 0.5},
+               "chelsea": {"budget": 128}}
+    results: dict[str, list] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(methods))
+
+    def talk(method: str, rule: dict) -> None:
+        try:
+            c = _client(base)
+            msgs = [{"role": "system", "content": "You are a helpful assistant who answers at length. " * 8}]
+            start.wait()
+            for q in ("Tell me about the sea, in detail.", "Now about mountains, in detail.",
+                      "And rivers, in detail?"):
+                msgs.append({"role": "user", "content": q})
+                pieces, ek = [], None
+                for ch in c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=64, stream=True,
+                                                    extra_body={"method": method, **rule}):
+                    if ch.choices and ch.choices[0].delta.content:
+                        pieces.append(ch.choices[0].delta.content)
+                    if ch.model_extra.get("edgekv"):
+                        ek = ch.model_extra["edgekv"]
+                msgs.append({"role": "assistant", "content": "".join(pieces)})
+                results.setdefault(method, []).append(("".join(pieces), ek))
+        except BaseException as e:  # reported below, in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=talk, args=item) for item in methods.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    snap = _consistent(base, app)
+    for method, rule in methods.items():
+        turns = results[method]
+        assert len(turns) == 3 and all(text for text, _ in turns)
+        ids = {ek["conversation"] for _, ek in turns}
+        assert len(ids) == 1 and [ek["continued"] for _, ek in turns] == [False, True, True]
+        conv = next(c for c in snap["conversations"] if c["id"] in ids)
+        assert conv["method"] == method and conv["budget"] == rule.get("budget") and conv["ratio"] == rule.get("ratio")
+        assert conv["tokens_seen"] > app.cfg.n_ctx and conv["compressions"] >= 1  # each outgrew the context
+        assert conv["cells"] <= app.cfg.n_ctx
+        if method == "chelsea":
+            assert conv["tokens_merged"] > 0 and conv["tokens_evicted"] == 0
+        else:
+            assert conv["tokens_evicted"] > 0 and conv["tokens_merged"] == 0
+
+
+@pytest.mark.slow
+def test_thirty_turns_outgrow_the_context_and_keep_answering(smollm2, tmp_path) -> None:
+    app = App(config(smollm2, tmp_path, defaults=Settings("streaming_llm", 128), n_ctx=192))
+    with running(app) as base:
+        c = _client(base)
+        msgs: list[dict[str, str]] = []
+        conv, seen = None, []
+        for i in range(30):
+            msgs.append({"role": "user", "content": f"Turn {i + 1}: give me one word that rhymes with cat."})
+            r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12)
+            text = r.choices[0].message.content
+            assert text.strip(), f"turn {i + 1} got an empty reply"
+            ek = r.model_extra["edgekv"]
+            assert ek["continued"] is (i > 0)
+            conv = conv or ek["conversation"]
+            assert ek["conversation"] == conv and ek["cells"] <= 192
+            assert ek["tokens_seen"] == r.usage.total_tokens
+            seen.append(ek["tokens_seen"])
+            msgs.append({"role": "assistant", "content": text})
+        assert seen[-1] > 3 * 192 and ek["compressions"] >= 3
+        assert ek["tokens_evicted"] == seen[-1] - ek["cells"]  # everything not held was evicted, and counted
+        _consistent(base, app)
+
+
+def test_bad_requests_are_openai_errors_and_lose_nothing(served) -> None:
+    base, app = served
+    c = _client(base)
+    msgs = [{"role": "user", "content": "Say hello."}]
+    r0 = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8)
+    keep = r0.model_extra["edgekv"]["conversation"]
+    before = {cv["id"]: cv for cv in _stats(base)["conversations"]}
+    cases = [
+        (b"{not json", 400, "invalid_json", None),
+        (b"[1, 2]", 400, "invalid_json", None),
+        (json.dumps({"model": MODEL}).encode(), 400, "missing_required_parameter", "messages"),
+        (json.dumps({"model": MODEL, "messages": "hi"}).encode(), 400, "invalid_type", "messages"),
+        (json.dumps({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}).encode(), 400,
+         "invalid_value", "messages[0].role"),
+        (json.dumps({"model": MODEL, "messages": msgs, "max_tokens": "ten"}).encode(), 400, "invalid_type", "max_tokens"),
+        (json.dumps({"model": MODEL, "messages": msgs, "temperature": 9}).encode(), 400, "invalid_value", "temperature"),
+        (json.dumps({"model": MODEL, "messages": msgs, "budget": True}).encode(), 400, "invalid_type", "budget"),
+        (json.dumps({"model": MODEL, "messages": msgs, "stream": "yes"}).encode(), 400, "invalid_type", "stream"),
+        (json.dumps({"model": MODEL, "messages": msgs, "n": 2}).encode(), 400, "unsupported_parameter", "n"),
+        (json.dumps({"model": MODEL, "messages": msgs, "tools": [{"type": "function"}]}).encode(), 400,
+         "unsupported_parameter", "tools"),
+        (json.dumps({"model": "gpt-4o", "messages": msgs}).encode(), 404, "model_not_found", "model"),
+        (json.dumps({"model": MODEL, "messages": msgs, "method": "magic"}).encode(), 400, "invalid_value", "method"),
+        (json.dumps({"model": MODEL, "messages": msgs, "method": "knorm", "budget": 256}).encode(), 400,
+         "invalid_value", "budget"),  # at or above --n-ctx
+        (json.dumps({"model": MODEL, "messages": msgs, "method": "streaming_llm", "budget": 30}).encode(), 400,
+         "invalid_value", "budget"),  # below its sinks + window
+        (json.dumps({"model": MODEL, "messages": msgs, "method": "knorm", "ratio": 1.5}).encode(), 400,
+         "invalid_value", "ratio"),
+        (json.dumps({"model": MODEL, "prompt": 7}).encode(), 400, "invalid_type", "prompt"),
+    ]
+    for data, status, code, param in cases:
+        path = "/v1/completions" if b'"prompt"' in data else "/v1/chat/completions"
+        got, body = _post(base, path, data)
+        assert (got, body["error"]["code"], body["error"]["param"]) == (status, code, param), (data, body)
+        assert body["error"]["message"] and "\n" not in body["error"]["message"]
+    # a prompt larger than the whole context with method full: refused before anything is fed
+    long = " ".join(["word"] * 400)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": long}], max_tokens=4,
+                                  extra_body={"method": "full"})
+    assert e.value.code == "context_length_exceeded"
+    # ... which a compressing method serves
+    r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": long}], max_tokens=4)
+    assert r.model_extra["edgekv"]["compressions"] >= 1
+    # the first conversation is untouched and continues
+    after = {cv["id"]: cv for cv in _stats(base)["conversations"]}
+    assert after[keep]["cells"] == before[keep]["cells"] and after[keep]["tokens_seen"] == before[keep]["tokens_seen"]
+    msgs += [{"role": "assistant", "content": r0.choices[0].message.content}, {"role": "user", "content": "Again."}]
+    r2 = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8)
+    assert r2.model_extra["edgekv"]["conversation"] == keep
+    # no conversation was made by a refused request
+    made = set(after) - set(before)
+    assert len(made) == 1  # the long prompt's
+    _consistent(base, app)
+
+
+def test_prompt_limit_and_api_key(smollm2, tmp_path) -> None:
+    app = App(config(smollm2, tmp_path, max_prompt_tokens=64), api_key="s3cret")
+    with running(app) as base:
+        with pytest.raises(openai.AuthenticationError):
+            _client(base).models.list()
+        c = _client(base, api_key="s3cret")
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "word " * 200}], max_tokens=4)
+        assert e.value.code == "prompt_too_long"
+        assert c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+        assert _stats(base, {"Authorization": "Bearer s3cret"})["totals"]["conversations"] == 1
+
+
+def test_a_client_that_disconnects_mid_stream(served) -> None:
+    base, app = served
+    c = _client(base)
+    n0 = len(_stats(base)["conversations"])
+    stream = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Count to fifty."}],
+                                       max_tokens=64, stream=True)
+    got = 0
+    for ch in stream:
+        if ch.choices and ch.choices[0].delta.content:
+            got += 1
+        if got == 3:
+            break
+    stream.close()
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        snap = _stats(base)
+        if snap["totals"]["active_requests"] == 0 and len(snap["conversations"]) == n0:
+            break
+        time.sleep(0.1)
+    # the abandoned conversation is gone with its context; the others are as they were
+    assert len(snap["conversations"]) == n0
+    _consistent(base, app)
+    r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    assert r.choices[0].message.content is not None
+
+
+@pytest.mark.parametrize("engine,method", [("native", "knorm"), ("state", "knorm"), ("native", "chelsea")])
+def test_saved_to_disk_and_resumed_answers_as_if_never_saved(smollm2, tmp_path, engine, method) -> None:
+    """With one live context, a second conversation pushes the first to a session file; its
+    next turn, resumed from the file, is the greedy continuation it would have had."""
+    q1 = "Write two sentences about a lighthouse keeper. " * 14
+    q2 = "What happened next?"
+
+    def conversation(c, other: bool) -> tuple[str, str, dict]:
+        m = [{"role": "user", "content": q1}]
+        a1 = c.chat.completions.create(model=MODEL, messages=m, max_tokens=40).choices[0].message.content
+        if other:
+            c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello there."}], max_tokens=8)
+        m += [{"role": "assistant", "content": a1}, {"role": "user", "content": q2}]
+        r = c.chat.completions.create(model=MODEL, messages=m, max_tokens=40)
+        return a1, r.choices[0].message.content, r.model_extra["edgekv"]
+
+    settings = Settings(method, 96)
+    app = App(config(smollm2, tmp_path / "a", defaults=settings, engine=engine, n_ctx=160, max_live=1))
+    with running(app) as base:
+        a1, a2, ek = conversation(_client(base), other=True)
+        snap = _consistent(base, app)
+        assert snap["totals"]["saves"] >= 2 and snap["totals"]["resumes"] >= 1
+        assert ek["continued"] and ek["compressions"] >= 1 and ek["engine"] == engine
+    app2 = App(config(smollm2, tmp_path / "b", defaults=settings, engine=engine, n_ctx=160, max_live=4))
+    with running(app2) as base:
+        b1, b2, ek2 = conversation(_client(base), other=False)
+        assert _stats(base)["totals"]["saves"] == 0
+    assert (a1, a2) == (b1, b2)
+    assert (ek["cells"], ek["tokens_seen"], ek["compressions"]) == (ek2["cells"], ek2["tokens_seen"], ek2["compressions"])
