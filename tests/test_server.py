@@ -320,3 +320,21 @@ def test_saved_to_disk_and_resumed_answers_as_if_never_saved(smollm2, tmp_path, 
         assert _stats(base)["totals"]["saves"] == 0
     assert (a1, a2) == (b1, b2)
     assert (ek["cells"], ek["tokens_seen"], ek["compressions"]) == (ek2["cells"], ek2["tokens_seen"], ek2["compressions"])
+
+
+@pytest.mark.slow
+def test_the_load_bench_small_version(tmp_path) -> None:
+    """bench/server_load.py, small: 4 conversations over 2 live contexts (so every turn saves and
+    resumes), all answered, nothing busy or leaked, memory back within 5 % of its warm-up value."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "load.json"
+    script = Path(__file__).resolve().parents[1] / "bench" / "server_load.py"
+    r = subprocess.run([sys.executable, str(script), "--conversations", "4", "--turns", "3", "--max-tokens", "16",
+                        "--max-live", "2", "--json", str(out)], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-1000:] + r.stderr[-3000:]
+    d = json.loads(out.read_text())
+    assert d["ok"] and d["answered"] == 12 and not d["errors"]
+    assert d["server"]["resumes"] >= 4 and d["server"]["live"] <= 2 and d["continued_fraction"] == 1.0

@@ -1,0 +1,208 @@
+#!/usr/bin/env python3
+"""A bounded load test of ``edgekv serve`` on loopback: N concurrent conversations, a fixed
+number of turns each, driven by OpenAI's Python client; it stops by itself.
+
+The server runs as its own process (``edgekv serve``), so its resident memory is read
+from /proc while the clients talk: after the warm-up (every conversation has had its
+first turn, so every context size and code path has been allocated once) and at the
+end. With more conversations than ``--max-live`` contexts, the least recently used
+idle conversations go to disk and come back, every turn.
+
+    .venv/bin/python bench/server_load.py --conversations 16 --turns 6
+writes bench/results/server_load.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+TOPICS = ["the sea", "mountains", "rivers", "forests", "deserts", "cities", "islands", "volcanoes", "glaciers",
+          "caves", "lakes", "prairies", "jungles", "canyons", "reefs", "marshes"]
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def get(base: str, path: str) -> dict:
+    with urllib.request.urlopen(base + path, timeout=30) as r:
+        return json.load(r)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--conversations", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--method", default="knorm")
+    ap.add_argument("--budget", type=int, default=256)
+    ap.add_argument("--n-ctx", type=int, default=384)
+    ap.add_argument("--max-live", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default="server_load", help="result name under bench/results")
+    ap.add_argument("--json", default=None, help="write the result here instead (tests)")
+    a = ap.parse_args()
+
+    import openai
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "edgekv.cli", "serve", a.model, "--method", a.method, "--budget", str(a.budget),
+           "--n-ctx", str(a.n_ctx), "--max-live", str(a.max_live), "--port", str(port), "--temperature", "0",
+           *(["--threads", str(a.threads)] if a.threads else [])]
+    server = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while True:
+        try:
+            model_id = get(base, "/v1/models")["data"][0]["id"]
+            break
+        except OSError:
+            if server.poll() is not None or time.time() > deadline:
+                print(server.stderr.read(), file=sys.stderr)
+                raise SystemExit("the server did not start") from None
+            time.sleep(0.2)
+
+    rss: list[tuple[float, float]] = []
+    stop_sampling = threading.Event()
+    t0 = time.perf_counter()
+
+    def sample() -> None:
+        while not stop_sampling.is_set():
+            rss.append((time.perf_counter() - t0, rss_mib(server.pid)))
+            stop_sampling.wait(0.5)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    n, turns = a.conversations, a.turns
+    warm = threading.Barrier(n + 1)
+    done_turns = 0
+    lock = threading.Lock()
+    rows: list[dict] = []
+    errors: list[str] = []
+
+    def talk(i: int) -> None:
+        nonlocal done_turns
+        c = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600)
+        topic = TOPICS[i % len(TOPICS)]
+        msgs = [{"role": "system", "content": f"You are conversation {i}. Answer in a few sentences."}]
+        for t in range(turns):
+            if t == 1:
+                warm.wait()  # every conversation has finished its first turn
+            msgs.append({"role": "user", "content": f"Tell me something new about {topic} (part {t + 1})."})
+            start = time.perf_counter()
+            first = None
+            pieces: list[str] = []
+            ek = usage = None
+            try:
+                for ch in c.chat.completions.create(model=model_id, messages=msgs, max_tokens=a.max_tokens,
+                                                    stream=True, stream_options={"include_usage": True}):
+                    if ch.choices and ch.choices[0].delta.content:
+                        first = first or time.perf_counter()
+                        pieces.append(ch.choices[0].delta.content)
+                    if ch.model_extra.get("edgekv"):
+                        ek = ch.model_extra["edgekv"]
+                    if ch.usage:
+                        usage = ch.usage
+            except Exception as e:  # counted, and the conversation goes on
+                errors.append(f"conversation {i} turn {t + 1}: {e}")
+                continue
+            end = time.perf_counter()
+            msgs.append({"role": "assistant", "content": "".join(pieces)})
+            with lock:
+                rows.append({"conversation": i, "turn": t + 1, "seconds": end - start,
+                             "first_token_s": (first or end) - start, "answered": bool(pieces),
+                             "completion_tokens": usage.completion_tokens if usage else 0,
+                             "prompt_tokens": usage.prompt_tokens if usage else 0,
+                             "cached_tokens": usage.prompt_tokens_details.cached_tokens if usage else 0,
+                             "continued": bool(ek and ek["continued"]), "cells": ek["cells"] if ek else None})
+                done_turns += 1
+                print(f"[{done_turns}/{n * turns}] conversation {i} turn {t + 1}: {end - start:.1f} s, "
+                      f"{usage.completion_tokens if usage else 0} tokens", file=sys.stderr, flush=True)
+        if turns == 1:
+            warm.wait()
+
+    threads = [threading.Thread(target=talk, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    warm.wait()
+    warm_at, warm_rss = time.perf_counter() - t0, rss_mib(server.pid)
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    end_rss = rss_mib(server.pid)
+    stop_sampling.set()
+    sampler.join()
+    stats = get(base, "/v1/edgekv/stats")
+    server.send_signal(signal.SIGINT)
+    try:
+        code = server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        code = -9
+
+    answered = sum(r["answered"] for r in rows)
+    out_tokens = sum(r["completion_tokens"] for r in rows)
+    later = [r for r in rows if r["turn"] > 1]
+    totals = stats["totals"]
+    result = {
+        "machine": __import__("edgekv.bench.results", fromlist=["machine"]).machine(),
+        "command": " ".join(["bench/server_load.py", *sys.argv[1:]]),
+        "config": {"model": model_id, "conversations": n, "turns": turns, "max_tokens": a.max_tokens,
+                   "method": a.method, "budget": a.budget, "n_ctx": a.n_ctx, "max_live": a.max_live},
+        "requests": n * turns, "answered": answered, "errors": errors,
+        "wall_s": round(wall, 2), "completion_tokens": out_tokens,
+        "completion_tok_s": round(out_tokens / wall, 2),
+        "turn_s_median": round(statistics.median(r["seconds"] for r in rows), 2) if rows else None,
+        "first_token_s_median": round(statistics.median(r["first_token_s"] for r in rows), 2) if rows else None,
+        "continued_fraction": round(sum(r["continued"] for r in later) / len(later), 3) if later else None,
+        "rss_mib": {"warm": round(warm_rss, 1), "warm_at_s": round(warm_at, 1), "end": round(end_rss, 1),
+                    "peak": round(max(v for _, v in rss), 1), "change_pct": round(100 * (end_rss / warm_rss - 1), 2),
+                    "series": [[round(t, 1), round(v, 1)] for t, v in rss]},
+        "server": {"conversations": totals["conversations"], "live": totals["live"], "saved": totals["saved"],
+                   "saves": totals["saves"], "resumes": totals["resumes"], "active_requests": totals["active_requests"],
+                   "busy": sum(c["state"] == "busy" for c in stats["conversations"]),
+                   "max_cells": max((c["cells"] for c in stats["conversations"]), default=0),
+                   "exit_code": code},
+    }
+    ok = (answered == n * turns and not errors and abs(result["rss_mib"]["change_pct"]) <= 5.0
+          and totals["conversations"] == n and totals["active_requests"] == 0 and result["server"]["busy"] == 0
+          and totals["live"] <= a.max_live and result["server"]["max_cells"] <= a.n_ctx and code == 0)
+    result["ok"] = ok
+    if a.json:
+        Path(a.json).write_text(json.dumps(result, indent=1))
+    else:
+        from edgekv.bench.results import write_json
+
+        print(write_json(a.out, result), file=sys.stderr)
+    print(f"{answered}/{n * turns} answered in {wall:.0f} s ({out_tokens / wall:.1f} tok/s out), turn median "
+          f"{result['turn_s_median']} s, first token {result['first_token_s_median']} s; RSS {warm_rss:.0f} MiB "
+          f"after warm-up, {end_rss:.0f} MiB at the end ({result['rss_mib']['change_pct']:+.1f} %); "
+          f"{totals['saves']} saves, {totals['resumes']} resumes; {'ok' if ok else 'FAILED'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
