@@ -26,7 +26,8 @@ def config(model, state_dir: Path, **kw) -> ServerConfig:
     kw.setdefault("temperature", 0.0)
     kw.setdefault("max_tokens", 32)
     kw.setdefault("chunk", 64)
-    return ServerConfig(model=model, model_id="smollm2-135m", defaults=defaults, state_dir=state_dir, **kw)
+    kw.setdefault("model_id", "smollm2-135m")
+    return ServerConfig(model=model, defaults=defaults, state_dir=state_dir, **kw)
 
 
 @contextmanager

@@ -48,6 +48,7 @@ def _consistent(base: str, app: App) -> dict:
     assert snap["totals"]["cells"] == sum(live.values())
     assert all(c["state"] != "busy" for c in snap["conversations"])
     assert snap["totals"]["active_requests"] == 0
+    assert len(live) + len(app.store._spare) <= app.cfg.max_live  # contexts are reused, never leaked
     for conv in app.store.convs.values():
         if conv.session is not None:
             s = conv.session
@@ -338,3 +339,20 @@ def test_the_load_bench_small_version(tmp_path) -> None:
     d = json.loads(out.read_text())
     assert d["ok"] and d["answered"] == 12 and not d["errors"]
     assert d["server"]["resumes"] >= 4 and d["server"]["live"] <= 2 and d["continued_fraction"] == 1.0
+
+
+def test_a_method_the_engine_cannot_run_is_refused(gemma3, tmp_path) -> None:
+    """Gemma 3's sliding-window cache runs on the state engine, which has no merge bias:
+    chelsea is a 400 that says so, chelsea_nobias is served, and the refusal leaves nothing."""
+    app = App(config(gemma3, tmp_path, model_id="gemma3-270m", defaults=Settings("streaming_llm", 160)))
+    with running(app) as base:
+        c = _client(base)
+        msgs = [{"role": "user", "content": "Hello!"}]
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="gemma3-270m", messages=msgs, max_tokens=4, extra_body={"method": "chelsea"})
+        assert "bias" in str(e.value) and "state engine" in str(e.value)
+        assert _stats(base)["totals"]["conversations"] == 0
+        r = c.chat.completions.create(model="gemma3-270m", messages=msgs, max_tokens=4,
+                                      extra_body={"method": "chelsea_nobias"})
+        assert r.model_extra["edgekv"]["engine"] == "state" and r.model_extra["edgekv"]["method"] == "chelsea_nobias"
+        _consistent(base, app)
