@@ -449,8 +449,8 @@ def test_ratio_mode_is_the_paper_and_one_shot_equals_the_session(smollm2) -> Non
         assert not np.array_equal(got[0, 0], got[0, 1])
         # Decoding: one more partition every L tokens (Eq. 10 holds throughout).
         n = 0
-        for n, _ in enumerate(s.generate_tokens(2 * L), start=1):  # each token is fed after it is yielded
-            assert s.engine.n_cells == retained_cells(700 + n - 1, 16, L, 16)
+        for n, _ in enumerate(s.generate_tokens(2 * L), start=1):  # each token is fed before it is yielded
+            assert s.engine.n_cells == retained_cells(700 + n, 16, L, 16)
         assert s.engine.n_cells == retained_cells(700 + n, 16, L, 16)
         assert s.stats.compressions >= 2
 
