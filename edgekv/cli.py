@@ -188,6 +188,13 @@ def _write_json(path: Path, data: object, opt: str) -> None:
         raise EdgekvError(f"cannot write {opt} {path}: {e.strerror or e}") from None
 
 
+def _interactive_budget(method: str, budget: int | None, ratio: float | None, n_ctx: int | None) -> int | None:
+    """Chat and serve: a compressing method given no budget rule keeps 1024 cells."""
+    if budget is None and ratio is None and n_ctx is None and method != "full":
+        return 1024
+    return budget
+
+
 def _stats_line(s) -> str:
     return (f"[cells {s.cells}/{s.capacity} | seen {s.tokens_seen} | kept {100 * s.kept_fraction:.0f}% | "
             f"compressions {s.compressions} | KV {s.kv_bytes / 2**20:.1f} MiB]")
@@ -225,8 +232,7 @@ def chat(
     turns: list[dict[str, object]] = []
     try:
         _check_writable(stats_json, "--stats-json")
-        if budget is None and ratio is None and n_ctx is None and method != "full":
-            budget = 1024
+        budget = _interactive_budget(method, budget, ratio, n_ctx)
         sess = _session(model, method, budget, ratio, n_ctx, cache_type_k, cache_type_v, flash_attn, threads, param,
                         engine=engine)
         conv = Chat(sess, system=system)
@@ -395,8 +401,7 @@ def serve(
             raise EdgekvError("--max-live must be 1..64 and --max-conversations at least --max-live")
         if max_prompt_tokens < 1 or max_tokens < 1:
             raise EdgekvError("--max-prompt-tokens and --max-tokens must be positive")
-        if budget is None and ratio is None and n_ctx is None and method != "full":
-            budget = 1024
+        budget = _interactive_budget(method, budget, ratio, n_ctx)
         path = resolve_model(model)
         mdl = Model(path)
         chunk = 256

@@ -356,3 +356,17 @@ def test_a_method_the_engine_cannot_run_is_refused(gemma3, tmp_path) -> None:
                                       extra_body={"method": "chelsea_nobias"})
         assert r.model_extra["edgekv"]["engine"] == "state" and r.model_extra["edgekv"]["method"] == "chelsea_nobias"
         _consistent(base, app)
+
+
+def test_serve_refuses_bad_settings_with_one_line(tmp_path, smollm2_path) -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    edgekv = str(Path(sys.executable).parent / "edgekv")
+    for args, msg in ((["--method", "knorm", "--budget", "2000", "--n-ctx", "1024"], "must be below --n-ctx"),
+                      (["--method", "nope"], "unknown method"),
+                      ([str(tmp_path / "missing.gguf")], "neither a file nor a known model"),
+                      (["--max-live", "0"], "--max-live")):
+        r = subprocess.run([edgekv, "serve", *args, "--port", "1"], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and msg in r.stderr and r.stderr.count("\n") == 1, (args, r.stderr)
