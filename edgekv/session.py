@@ -289,6 +289,13 @@ class Session:
             self._sampler = Sampler(cfg)
         return self._sampler
 
+    def reset_sampler(self) -> None:
+        """Start sampling afresh: the next token draws from the configured seed again (the
+        sampler's random state otherwise carries on from call to call)."""
+        if self._sampler is not None:
+            self._sampler.close()
+            self._sampler = None
+
     def step(self, sampler: SamplerConfig | None = None) -> int | None:
         """Sample one token and feed it back; None at end-of-generation (nothing is fed then).
         The unit a server interleaves conversations by."""

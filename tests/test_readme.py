@@ -41,6 +41,11 @@ def test_the_embedding_example(tmp_path, smollm2_path) -> None:
 
 @pytest.mark.slow
 def test_the_server_example_with_its_client(tmp_path, smollm2_path) -> None:
+    import socket
+
+    with socket.socket() as probe:  # a server already there would answer in the README's place
+        if probe.connect_ex(("127.0.0.1", 8765)) == 0:
+            pytest.fail("port 8765, which the README's example uses, is taken by another program")
     (cmd,) = [line for line in block("serve").splitlines() if line.strip()]
     argv = shlex.split(cmd)
     argv[0] = str(BIN / Path(argv[0]).name)  # .venv/bin/edgekv of this interpreter

@@ -43,7 +43,7 @@ def _post(base: str, path: str, data: bytes) -> tuple[int, dict]:
 def _consistent(base: str, app: App) -> dict:
     """The stats endpoint agrees with the engines, and nothing is busy or half-made."""
     snap = _stats(base)
-    live = {c["id"]: c["cells"] for c in snap["conversations"] if c["state"] in ("live", "busy")}
+    live = {c["id"]: c["cells"] for c in snap["conversations"] if c["live"]}
     assert live == engine_view(app)
     assert snap["totals"]["cells"] == sum(live.values())
     assert all(c["state"] != "busy" for c in snap["conversations"])
@@ -226,6 +226,20 @@ def test_bad_requests_are_openai_errors_and_lose_nothing(served) -> None:
         (json.dumps({"model": MODEL, "messages": msgs, "method": "knorm", "ratio": 1.5}).encode(), 400,
          "invalid_value", "ratio"),
         (json.dumps({"model": MODEL, "prompt": 7}).encode(), 400, "invalid_type", "prompt"),
+        (json.dumps({"model": MODEL, "messages": msgs, "method": "knorm", "method_params": {"sinks": "4"}}).encode(),
+         400, "invalid_value", "method_params"),
+        (json.dumps({"model": MODEL, "messages": msgs, "method_params": {"nope": 1}}).encode(), 400,
+         "invalid_value", "method_params"),
+        (json.dumps({"model": MODEL, "messages": [{"role": ["user"], "content": "x"}]}).encode(), 400,
+         "invalid_value", "messages[0].role"),
+        (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}).encode(),
+         400, "unsupported_content", "messages[0].content"),
+        (json.dumps({"model": MODEL, "messages": msgs, "response_format": {"type": "json_object"}}).encode(), 400,
+         "unsupported_parameter", "response_format"),
+        (json.dumps({"model": MODEL, "messages": msgs, "stream_options": {"include_usage": 1}}).encode(), 400,
+         "invalid_type", "include_usage"),
+        (b'{"model": "smollm2-135m", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "invalid_json",
+         None),
     ]
     for data, status, code, param in cases:
         path = "/v1/completions" if b'"prompt"' in data else "/v1/chat/completions"
@@ -343,7 +357,12 @@ def test_the_load_bench_small_version(tmp_path) -> None:
 
 def test_a_method_the_engine_cannot_run_is_refused(gemma3, tmp_path) -> None:
     """Gemma 3's sliding-window cache runs on the state engine, which has no merge bias:
-    chelsea is a 400 that says so, chelsea_nobias is served, and the refusal leaves nothing."""
+    chelsea is a 400 that says so, chelsea_nobias is served, and the refusal leaves nothing.
+    As the server's default, chelsea stops it at start."""
+    from edgekv.errors import EdgekvError
+
+    with pytest.raises(EdgekvError, match="bias"):
+        App(config(gemma3, tmp_path, model_id="gemma3-270m", defaults=Settings("chelsea", 160)))
     app = App(config(gemma3, tmp_path, model_id="gemma3-270m", defaults=Settings("streaming_llm", 160)))
     with running(app) as base:
         c = _client(base)
@@ -370,3 +389,23 @@ def test_serve_refuses_bad_settings_with_one_line(tmp_path, smollm2_path) -> Non
                       (["--max-live", "0"], "--max-live")):
         r = subprocess.run([edgekv, "serve", *args, "--port", "1"], capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and msg in r.stderr and r.stderr.count("\n") == 1, (args, r.stderr)
+
+
+def test_seeds_and_replies_the_client_trims_or_cuts(served) -> None:
+    base, app = served
+    c = _client(base)
+    msgs = [{"role": "user", "content": "Write a sentence about the moon."}]
+    same = [c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=1.0, seed=7)
+            .choices[0].message.content for _ in range(2)]
+    assert same[0] == same[1]  # a seed is a seed, whatever ran on the context before
+    # a reply cut by a stop string, sent back trimmed: the next turn continues and feeds only the new turn
+    r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=32, stop=["."])
+    assert r.choices[0].finish_reason in ("stop", "length")
+    for turn in range(3):
+        msgs += [{"role": "assistant", "content": r.choices[0].message.content.strip()},
+                 {"role": "user", "content": f"Another one, number {turn + 2}."}]
+        r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=32, stop=["."])
+        assert r.model_extra["edgekv"]["continued"]
+        new = r.usage.prompt_tokens - r.usage.prompt_tokens_details.cached_tokens
+        assert new < 30, f"turn {turn + 2} fed {new} prompt tokens: earlier turns again"
+    _consistent(base, app)

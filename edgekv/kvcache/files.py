@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -68,6 +69,8 @@ def save_cache_file(path: str | Path, state: CacheState, header: dict) -> None:
             digest.update(part)
             f.write(part)
         f.write(digest.digest())
+        f.flush()
+        os.fsync(f.fileno())  # the rename must not land before the bytes do
     tmp.replace(path)
 
 
@@ -80,7 +83,7 @@ def load_cache_file(path: str | Path, engine: str) -> tuple[CacheState, dict]:
     data = path.read_bytes()
     if not data.startswith(MAGIC):
         raise EdgekvError(f"{path} is not an edgekv session file")
-    if len(data) > DIGEST + 12 and hashlib.sha256(data[:-DIGEST]).digest() == data[-DIGEST:]:
+    if len(data) > DIGEST + 12 and hashlib.sha256(memoryview(data)[:-DIGEST]).digest() == data[-DIGEST:]:
         data = data[:-DIGEST]
         checked = True
     else:

@@ -42,10 +42,25 @@ def get_method(name: str, **params: object) -> Method:
             raise EdgekvError(
                 f"method {name!r} has no parameter {k!r}; it takes: {', '.join(known) or 'none'}"
             )
+    for k, v in params.items():
+        _check_type(name, k, known[k].default, v)
     try:
         return cls(**params)  # type: ignore[arg-type]
     except (TypeError, ValueError) as e:
         raise EdgekvError(f"bad parameters for {name}: {e}") from e
+
+
+def _check_type(method: str, name: str, default: object, value: object) -> None:
+    """A parameter's value must have its default's type (an int is a fine float), so that a
+    string from a config or a request fails here, with its name, not deep in a compression."""
+    kind = type(default)
+    if kind not in (bool, int, float, str):
+        return  # no default to go by (None: optional paths and the like)
+    ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        ok = True
+    if not ok:
+        raise EdgekvError(f"parameter {name!r} of {method} takes {kind.__name__} values, got {value!r}")
 
 
 __all__ = ["METHODS", "Method", "ScorerMethod", "get_method"]

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
+import random
 import math
 import time
 import uuid
@@ -79,6 +81,11 @@ class App:
         self.cfg = cfg
         self.api_key = api_key
         self.store = Store(cfg)
+        try:
+            self.store.warm()
+        except BaseException:
+            self.store.close()
+            raise
         self.worker = Worker(self.store)
         self.started = int(time.time())
         self.asgi = Starlette(routes=[
@@ -92,7 +99,8 @@ class App:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1/") and self.api_key is not None:
             headers = dict(scope.get("headers") or [])
-            if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {self.api_key}":
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
                 resp = _error(RequestError("invalid or missing API key (Authorization: Bearer ...)", status=401,
                                            code="invalid_api_key"))
                 await resp(scope, receive, send)
@@ -134,7 +142,7 @@ class App:
     async def _body(self, request: Request) -> dict:
         try:
             body = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise RequestError(f"the request body is not valid JSON ({e})", code="invalid_json") from None
         if not isinstance(body, dict):
             raise RequestError("the request body must be a JSON object", code="invalid_json")
@@ -148,9 +156,14 @@ class App:
             if body.get(name):
                 raise RequestError(f"'{name}' is not supported by edgekv serve", param=name,
                                    code="unsupported_parameter")
-        if body.get("logprobs") or body.get("echo") or body.get("suffix") is not None:
-            name = "logprobs" if body.get("logprobs") else ("echo" if body.get("echo") else "suffix")
-            raise RequestError(f"'{name}' is not supported by edgekv serve", param=name, code="unsupported_parameter")
+        fmt = body.get("response_format")
+        for name, used in (("logprobs", body.get("logprobs")), ("top_logprobs", body.get("top_logprobs")),
+                           ("echo", body.get("echo")), ("suffix", body.get("suffix") is not None),
+                           ("logit_bias", body.get("logit_bias")),
+                           ("response_format", fmt is not None and fmt != {"type": "text"})):
+            if used:
+                raise RequestError(f"'{name}' is not supported by edgekv serve", param=name,
+                                   code="unsupported_parameter")
         for name in ("n", "best_of"):
             if _number(body, name, 1, 1 << 10, integer=True, default=1) != 1:
                 raise RequestError(f"only {name} = 1 is supported", param=name, code="unsupported_parameter")
@@ -164,7 +177,9 @@ class App:
         sampler = SamplerConfig(
             temperature=float(_number(body, "temperature", 0, 2, default=cfg.temperature)),
             top_p=float(_number(body, "top_p", 0, 1, default=0.95)) or 1.0,
-            seed=int(_number(body, "seed", -(1 << 63), (1 << 64) - 1, integer=True, default=0)) & 0xFFFFFFFF,
+            # no seed: a fresh draw per request, as OpenAI's API does
+            seed=int(_number(body, "seed", -(1 << 63), (1 << 64) - 1, integer=True,
+                             default=random.getrandbits(32))) & 0xFFFFFFFF,
         )
         stop = body.get("stop")
         if isinstance(stop, str):
@@ -186,11 +201,11 @@ class App:
             try:
                 settings = cfg.settings(method, budget, ratio, params)
                 settings.check(cfg.n_ctx)
-            except RequestError:
-                raise
             except EdgekvError as e:
-                param = "budget" if budget is not None and "budget" in str(e) else (
-                    "ratio" if ratio is not None and "ratio" in str(e) else "method")
+                msg = str(e)
+                param = ("method_params" if params and any(k in msg for k in params)
+                         else "budget" if budget is not None and "budget" in msg
+                         else "ratio" if ratio is not None and "ratio" in msg else "method")
                 raise RequestError(str(e).replace("--budget", "budget").replace("--ratio", "ratio"),
                                    param=param, code="invalid_value") from None
         turn = Turn(kind=kind, settings=settings, max_tokens=max_tokens, sampler=sampler, stop=tuple(stop or ()))
@@ -200,7 +215,7 @@ class App:
                 raise RequestError("'messages' must be a non-empty list", param="messages",
                                    code="invalid_type" if msgs is not None else "missing_required_parameter")
             for i, m in enumerate(msgs):
-                if not isinstance(m, dict) or m.get("role") not in ROLES:
+                if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m["role"] not in ROLES:
                     raise RequestError(f"messages[{i}] needs a role of {', '.join(ROLES)}", param=f"messages[{i}].role",
                                        code="invalid_value")
                 turn.messages.append({"role": ROLES[m["role"]], "content": _content(m.get("content"), i)})
@@ -237,11 +252,13 @@ class App:
             raise
         if first == "error":
             return _error(payload)
+        ready = payload
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if body.get("stream"):
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(self._stream(queue, job, kind, rid, created, usage), media_type="text/event-stream",
+            return StreamingResponse(self._stream(queue, job, kind, rid, created, usage, ready),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
             while True:
@@ -263,7 +280,8 @@ class App:
             "model": self.cfg.model_id, "choices": [choice], "usage": payload["usage"], "edgekv": payload["edgekv"],
         })
 
-    async def _stream(self, queue: asyncio.Queue, job, kind: str, rid: str, created: int, usage: bool):
+    async def _stream(self, queue: asyncio.Queue, job, kind: str, rid: str, created: int, usage: bool,
+                      ready: dict[str, Any]):
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
         def chunk(delta: str | None, finish: str | None = None, **extra: Any) -> str:
@@ -274,12 +292,14 @@ class App:
                 choice: dict[str, Any] = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
             else:
                 choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+            if usage:
+                extra.setdefault("usage", None)  # OpenAI sends null on every chunk but the usage one
             return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": self.cfg.model_id,
                                           "choices": [choice], **extra}) + "\n\n"
 
         try:
-            if kind == "chat":
-                yield chunk("")
+            # the first chunk names the conversation, so a client (the page) can follow its stats at once
+            yield chunk("", edgekv=ready) if kind == "chat" else chunk(None, edgekv=ready)
             while True:
                 ev, payload = await queue.get()
                 if ev == "delta":

@@ -70,11 +70,14 @@ class ServerConfig:
                  params: dict[str, object] | None) -> Settings:
         """A request's choice, completed by the server's defaults (a method named without a
         budget or ratio takes the server's budget rule, unless it is ``full``)."""
+        d = self.defaults
         if method is None and budget is None and ratio is None and not params:
-            return self.defaults
-        method = method or self.defaults.method
+            return d
+        method = method or d.method
         if budget is None and ratio is None and method != "full":
-            budget, ratio = self.defaults.budget, self.defaults.ratio
+            budget, ratio = d.budget, d.ratio
+        if params is None and method == d.method:  # the server's --param values go with its method
+            return Settings(method, budget, ratio, d.params)
         return Settings(method, budget, ratio, tuple(sorted((params or {}).items())))
 
 
@@ -86,7 +89,8 @@ class Conversation:
     kind: str  # "chat" or "completion"
     settings: Settings
     messages: list[dict[str, str]] = field(default_factory=list)  # chat: as fed, the replies included
-    text: str = ""  # everything the cache was fed, as text
+    text: str = ""  # what the cache was fed, as the client sees it (its replies as sent)
+    reply_len: int = 0  # characters of the last reply, the part of ``text`` a client may trim
     session: Session | None = None
     file: Path | None = None
     stats: Stats | None = None  # the session's counters, kept while it is on disk
@@ -151,7 +155,8 @@ class Store:
 
     # -- lifecycle ---------------------------------------------------------------
     def new(self, kind: str, settings: Settings) -> Conversation:
-        conv = Conversation(id="conv-" + uuid.uuid4().hex[:16], kind=kind, settings=settings)
+        """A new conversation, busy (claimed by the turn that makes it)."""
+        conv = Conversation(id="conv-" + uuid.uuid4().hex[:16], kind=kind, settings=settings, busy=True)
         with self.lock:
             self.convs[conv.id] = conv
         self._forget_oldest()
@@ -195,6 +200,14 @@ class Store:
         with self.lock:
             conv.session, conv.stats = sess, None
         return True
+
+    def warm(self) -> None:
+        """Make the first context now and give it the default settings: a default method this
+        model's engine cannot run fails at start, with one line, not on every request."""
+        if not self._spare:
+            self._spare.append(self._new_session())
+        d = self.cfg.defaults
+        self._spare[-1].use(d.make_method(), budget=d.budget, ratio=d.ratio)
 
     def _new_session(self) -> Session:
         """A context for any conversation: made with no method, so its batch is the server's
@@ -253,6 +266,7 @@ class Store:
             "budget": conv.settings.budget, "ratio": conv.settings.ratio,
             "params": dict(conv.settings.params),
             "state": "busy" if conv.busy else ("live" if conv.live else ("saved" if conv.file else "new")),
+            "live": conv.live,
             "capacity": self.cfg.n_ctx, "cells": cells, "peak_cells": s.peak_cells if s else 0,
             "compressions": s.compressions if s else 0, "tokens_seen": s.tokens_seen if s else 0,
             "tokens_evicted": 0 if conv.merges else removed, "tokens_merged": removed if conv.merges else 0,
@@ -266,7 +280,7 @@ class Store:
     def snapshot(self) -> dict[str, object]:
         with self.lock:
             convs = [self.describe(c) for c in self.convs.values()]
-        live = [c for c in convs if c["state"] in ("live", "busy")]
+        live = [c for c in convs if c["live"]]
         return {
             "model": self.cfg.model_id, "n_ctx": self.cfg.n_ctx, "max_live": self.cfg.max_live,
             "max_prompt_tokens": self.cfg.max_prompt_tokens,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from ..errors import EdgekvError
 from ..llama import SamplerConfig
-from .conversations import Settings, Store, common_prefix
+from .conversations import Conversation, Settings, Store, common_prefix
 
 log = logging.getLogger("edgekv.server")
 
@@ -62,28 +62,50 @@ def _hold_back(text: str, stops: tuple[str, ...]) -> int:
     return n
 
 
-def run_turn(store: Store, turn: Turn) -> Iterator[TurnEvent]:
-    """Find or start the conversation, feed what is new, generate; the conversation is dropped
-    if the turn fails or is abandoned once its cache was touched (its text would be wrong)."""
-    cfg = store.cfg
+def _claim(store: Store, turn: Turn, rendered: str) -> tuple[Conversation, int]:
+    """The conversation this turn continues and where its new text starts, or a new one (start 0).
+
+    A continuation must diverge from what the cache was fed only inside the last reply (a
+    client trimming it); a template that re-renders older turns differently would otherwise
+    feed them all again, so such a request starts over."""
     if turn.kind == "chat":
         conv = store.find_chat(turn.messages, turn.settings)
     else:
         conv = store.find_completion(turn.prompt, turn.settings)
-    continued = conv is not None
-    if conv is None:
-        conv = store.new(turn.kind, turn.settings or cfg.defaults)
-    conv.busy = True
+    if conv is not None:
+        start = common_prefix(conv.text, rendered)
+        if start >= len(conv.text) - conv.reply_len:
+            conv.busy = True
+            return conv, start
+    return store.new(turn.kind, turn.settings or store.cfg.defaults), 0
+
+
+def run_turn(store: Store, turn: Turn) -> Iterator[TurnEvent]:
+    """Find or start the conversation, feed what is new, generate; the conversation is dropped
+    if the turn fails or is abandoned once its cache was touched (its text would be wrong)."""
+    cfg = store.cfg
+    model = cfg.model
+    rendered = model.apply_chat_template(turn.messages, add_assistant=True) if turn.kind == "chat" else turn.prompt
+    conv, start = _claim(store, turn, rendered)
+    continued = start > 0
     touched = finished = False
     try:
-        while not store.make_live(conv):
+        while True:
+            try:
+                if store.make_live(conv):
+                    break
+            except EdgekvError as e:
+                if conv.file is None:
+                    raise
+                # its session file no longer loads: start the conversation over from the messages
+                log.warning("conversation %s could not be resumed (%s); starting it over", conv.id, e)
+                store.drop(conv)
+                conv, start, continued = store.new(turn.kind, turn.settings or cfg.defaults), 0, False
+                continue
             yield None  # every live context is busy: wait for a turn to end
         store.touch(conv)
         sess = conv.session
         assert sess is not None
-        model = sess.model
-        rendered = model.apply_chat_template(turn.messages, add_assistant=True) if turn.kind == "chat" else turn.prompt
-        start = common_prefix(conv.text, rendered) if continued else 0
         tokens = model.tokenize(rendered[start:], add_special=not continued, parse_special=True)
         cached = sess.stats.tokens_seen
         if not tokens:
@@ -97,6 +119,7 @@ def run_turn(store: Store, turn: Turn) -> Iterator[TurnEvent]:
                 f"method {sess.method.name!r} keeps every token: {sess.engine.n_cells} cached + {len(tokens)} new "
                 f"do not fit in --n-ctx {cfg.n_ctx} with room to answer; choose a compressing method",
                 code="context_length_exceeded", param="messages")
+        sess.reset_sampler()  # each request samples from its own seed
         stats = sess.stats
         compressions0, removed0 = stats.compressions, stats.tokens_evicted
         yield ("ready", {"conversation": conv.id, "continued": continued})
@@ -107,7 +130,9 @@ def run_turn(store: Store, turn: Turn) -> Iterator[TurnEvent]:
             conv.prefill = (min(i + sess.chunk, len(tokens)), len(tokens))
             yield None
         conv.prefill = None
-        conv.text += rendered[start:]  # the cache may hold more of an old reply than the client kept
+        # compared with the client's next request: its view, not the cache's (which may hold a
+        # little more of the last reply, after a stop string or a trim)
+        conv.text = rendered
         dec = codecs.getincrementaldecoder("utf-8")("replace")
         sent: list[str] = []
         pending = ""  # generated text that may begin a stop string
@@ -123,7 +148,6 @@ def run_turn(store: Store, turn: Turn) -> Iterator[TurnEvent]:
                 break
             n_out += 1
             piece = dec.decode(model.piece(tok))
-            conv.text += piece
             pending += piece
             hit = min((i for i in (pending.find(s) for s in turn.stop) if i >= 0), default=-1)
             if hit >= 0:
@@ -141,6 +165,8 @@ def run_turn(store: Store, turn: Turn) -> Iterator[TurnEvent]:
             sent.append(tail)
             yield ("delta", tail)
         reply = "".join(sent)
+        conv.text += reply
+        conv.reply_len = len(reply)
         if turn.kind == "chat":
             conv.messages = [*turn.messages, {"role": "assistant", "content": reply}]
         conv.requests += 1
@@ -150,7 +176,7 @@ def run_turn(store: Store, turn: Turn) -> Iterator[TurnEvent]:
         info.update(conversation=conv.id, continued=continued,
                     compressions_this_request=stats.compressions - compressions0,
                     evicted=0 if conv.merges else removed, merged=removed if conv.merges else 0)
-        for key in ("id", "kind", "state", "events", "prefill", "last_used"):
+        for key in ("id", "kind", "state", "live", "events", "prefill", "last_used"):
             info.pop(key, None)
         finished = True  # the conversation is whole again: free for the next request before the reply is out
         conv.busy = False
