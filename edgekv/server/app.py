@@ -12,8 +12,8 @@ import asyncio
 import contextlib
 import hmac
 import json
-import random
 import math
+import random
 import time
 import uuid
 from importlib import resources
