@@ -16,7 +16,7 @@ def fixed_mmap_threshold(size: int = 256 << 10) -> bool:
     glibc raises its mmap threshold to the size of each large block freed, so after the
     first session file (MiBs) is loaded and freed, later ones come from the heap and stay
     resident: over bench/server_load.py (16 conversations, about 90 saves and 80 resumes) the
-    server's RSS grew 9 % with the default and 0.6 % with the threshold fixed at 256 KiB
+    server's RSS grew 9 % with the default and 0.6 to 1.3 % with the threshold fixed at 256 KiB
     (the same effect as MALLOC_MMAP_THRESHOLD_). False where there is no glibc."""
     import ctypes
     import ctypes.util
