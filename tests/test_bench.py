@@ -185,6 +185,39 @@ def test_scoring(task: str, refs: tuple[str, ...], pred: str, want: float) -> No
     assert scoring.score(task, pred, refs) == pytest.approx(want)
 
 
+@pytest.mark.parametrize("length", [512, 2048])
+def test_multiturn_sample_and_its_turns(length: int) -> None:
+    """Four keyed needles, asked one per turn in an order of their own; every question and
+    answer prefix of the later turns fits in the length with the first."""
+    for i in range(5):
+        s = tasks.make_sample("multiturn", length, 0, i, words)
+        keys = s.meta["keys"]
+        assert len(keys) == len(set(keys)) == len(s.answers) == tasks.MULTITURN_TURNS
+        for k, ans in zip(keys, s.answers, strict=True):
+            assert s.body.count(f"numbers for {k} is: {ans}.") == 1
+            assert len(re.findall(rf"(?<!\d){ans}(?!\d)", s.body)) == 1
+        frame, sep = ("<u>", "</u><a>"), "</a><u>"
+        p = tasks.build_prompt(s, frame=frame)
+        later = tasks.later_turns(s, frame, sep)
+        assert [t.context for t in later] == [sep + q for q in s.meta["questions"][1:]]
+        assert all(t.query == "</u><a>" + pre for t, pre in zip(later, s.meta["prefixes"][1:], strict=True))
+        assert keys[0] in p.query and all(k in t.context for k, t in zip(keys[1:], later, strict=True))
+        fed = words(p.context) + words(p.query) + sum(words(t.context + t.query) for t in later)
+        assert fed + len(keys) * s.max_new_tokens <= length and words(p.context) > 0.5 * length
+
+
+def test_kl_divergence_and_top1() -> None:
+    rng = np.random.default_rng(1)
+    a = np.stack([scoring.log_softmax(x) for x in rng.normal(size=(6, 40)) * 3])
+    b = np.stack([scoring.log_softmax(x) for x in rng.normal(size=(6, 40)) * 3])
+    assert scoring.kl_top1(a, a) == (0.0, 1.0)
+    want = np.mean([sum(math.exp(p) * (p - q) for p, q in zip(ra, rb, strict=True)) for ra, rb in zip(a, b, strict=True)])
+    kl, top1 = scoring.kl_top1(a, b)
+    assert kl == pytest.approx(want, rel=1e-5) and kl > 0
+    assert top1 == pytest.approx(np.mean(a.argmax(1) == b.argmax(1)))
+    assert np.allclose(np.exp(a).sum(axis=1), 1.0, atol=1e-5)
+
+
 def test_log_softmax_and_perplexity() -> None:
     rng = np.random.default_rng(0)
     logits = rng.normal(size=50).astype(np.float32) * 10
@@ -228,16 +261,23 @@ def test_tiny_sweep_end_to_end(smollm2_path, tmp_path) -> None:
     from edgekv.bench.speed import SpeedGrid, run_speed
 
     grid = Grid(models=[str(smollm2_path)], methods=["full", "knorm"], ratios=[0.5], lengths=[384],
-                tasks=["niah_single", "ppl"], n=2, eval_tokens=8, threads=1, out=tmp_path)
+                tasks=["niah_single", "multiturn", "ppl"], n=2, eval_tokens=8, threads=1, out=tmp_path)
     path = run_quality(grid, log=lambda s: None)
     rows = load_rows(path)
-    assert len(rows) == 2 * 2 * 2  # tasks x samples x (full + knorm@0.5)
+    assert len(rows) == 3 * 2 * 2  # tasks x samples x (full + knorm@0.5)
     for r in rows:
-        assert r["score"] is not None and r["prompt_tokens"] > 250
+        assert r["score"] is not None and r["prompt_tokens"] > (100 if r["task"] == "multiturn" else 250)
         if r["method"] == "knorm":
             assert r["cells"] == r["prompt_tokens"] // 2 and r["kv_bytes"] < r["prompt_tokens"] * 1e5
         if r["task"] == "ppl":
             assert 1.0 < r["score"] < 1e4 and r["n_eval"] == 8
+            if r["method"] == "full":  # the reference is the full cache itself
+                assert (r["kl"], r["top1"]) == (0.0, 1.0)
+            else:
+                assert r["kl"] > 0 and 0.0 <= r["top1"] <= 1.0
+        elif r["task"] == "multiturn":
+            assert len(r["turn_scores"]) == len(r["answers"]) == len(r["output"]) == 4
+            assert r["score"] == pytest.approx(sum(r["turn_scores"]) / 4)
         else:
             assert r["score"] in (0.0, 1.0) and r["answers"]
     # The full cache finds a needle at this length.
@@ -247,6 +287,14 @@ def test_tiny_sweep_end_to_end(smollm2_path, tmp_path) -> None:
         f.write('{"model": "torn')
     run_quality(grid, log=lambda s: None)
     assert len(load_rows(path)) == len(rows)
+    # ppl rows from before KL was measured are measured again; the report takes the new ones
+    stale = [r for r in rows if r["task"] == "ppl" and r["method"] == "knorm"]
+    path.write_text("".join(json.dumps({k: v for k, v in r.items() if not (r in stale and k in ("kl", "top1"))})
+                            + "\n" for r in rows))
+    run_quality(grid, log=lambda s: None)
+    again = load_rows(path)
+    assert len(again) == len(rows) + 2
+    assert [r["kl"] for r in again[-2:]] == pytest.approx([r["kl"] for r in stale], rel=1e-3)
 
     sp = run_speed(SpeedGrid(models=[str(smollm2_path)], methods=["full", "knorm"], ratio=0.5, lengths=[256],
                              decode_tokens=4, stream=True, threads=1, out=tmp_path), log=lambda s: None)
@@ -258,6 +306,7 @@ def test_tiny_sweep_end_to_end(smollm2_path, tmp_path) -> None:
     md, plots = write_report(tmp_path)
     text = md.read_text()
     assert "| knorm | 0.5 |" in text and "NIAH-1" in text and "PPL" in text and "decode tok/s" in text
+    assert "| KL | top-1 % |" in text and "| MT |" in text and "accuracy % per turn" in text
     assert {p.name.split("_")[0] for p in plots} == {"accuracy", "decode"}
     assert all(p.stat().st_size > 1000 for p in plots)
 

@@ -77,7 +77,7 @@ def quality(
     n: Annotated[int, typer.Option("--n", help="Samples per task, length and cache type.")] = 20,
     ratios: Annotated[str, typer.Option(help="Compression ratios = fraction of the context's cells REMOVED.")] = "0.5,0.75,0.875,0.9375",
     lengths: Annotated[str, typer.Option(help="Context lengths in tokens (1k = 1024); lengths above the model's trained context are skipped.")] = "1k",
-    tasks: Annotated[str, typer.Option(help="Tasks, comma-separated, or 'all': passkey, niah_single, niah_multikey, niah_multivalue, vt, cwe, ppl.")] = DEFAULT_TASKS,
+    tasks: Annotated[str, typer.Option(help="Tasks, comma-separated, or 'all': passkey, niah_single, niah_multikey, niah_multivalue, vt, cwe, multiturn, ppl.")] = DEFAULT_TASKS,
     cache_types: CacheOpt = "f16",
     flash_attn: Annotated[str, typer.Option("--flash-attn", "-fa", help=FaHelp)] = "auto",
     out: OutOpt = DEFAULT_OUT,

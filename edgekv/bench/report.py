@@ -11,7 +11,7 @@ from .speed import SPEED_FILE
 from .tasks import QA_TASKS
 
 TASK_LABEL = {"passkey": "passkey", "niah_single": "NIAH-1", "niah_multikey": "NIAH-MK", "niah_multivalue": "NIAH-MV",
-              "vt": "VT", "cwe": "CWE", "ppl": "PPL"}
+              "vt": "VT", "cwe": "CWE", "multiturn": "MT", "ppl": "PPL"}
 
 
 def _mean(xs: list[float]) -> float:
@@ -48,7 +48,17 @@ class Table:
 
     def tasks(self) -> list[str]:
         present = {r["task"] for r in self.rows}
-        return [t for t in (*QA_TASKS, "ppl") if t in present]
+        return [t for t in (*QA_TASKS, "multiturn", "ppl") if t in present]
+
+    def divergence(self, cfg: tuple, method: str, ratio: float) -> tuple[float, float]:
+        """(mean KL from the full cache in nats, top-1 agreement %) over the ppl continuations."""
+        rs = [r for r in self.cell.get((*cfg, method, ratio, "ppl"), []) if "kl" in r]
+        return _mean([r["kl"] for r in rs]), 100.0 * _mean([r["top1"] for r in rs])
+
+    def turns(self, cfg: tuple, method: str, ratio: float) -> list[float]:
+        """Multi-turn accuracy % per turn (the cache compressed again before each)."""
+        rs = [r["turn_scores"] for r in self.cell.get((*cfg, method, ratio, "multiturn"), []) if "turn_scores" in r]
+        return [100.0 * _mean([t[j] for t in rs]) for j in range(min(map(len, rs)))] if rs else []
 
     def evals(self, cfg: tuple) -> list[tuple[str, float]]:
         pairs = {(r["method"], r["ratio"]) for r in self.rows if (r["model"], r["cache_type"], r["length"], r["protocol"]) == cfg}
@@ -65,7 +75,7 @@ class Table:
         return 100.0 * _mean([r["score"] for r in rs]), len(rs)
 
     def qa_avg(self, cfg: tuple, method: str, ratio: float) -> float:
-        vals = [self.score(cfg, method, ratio, t)[0] for t in self.tasks() if t != "ppl"]
+        vals = [self.score(cfg, method, ratio, t)[0] for t in self.tasks() if t in QA_TASKS]
         vals = [v for v in vals if not math.isnan(v)]
         return _mean(vals)
 
@@ -97,7 +107,8 @@ def quality_markdown(tab: Table) -> list[str]:
     from .text import SOURCE
 
     tasks = tab.tasks()
-    qa = [t for t in tasks if t != "ppl"]
+    qa = [t for t in tasks if t in QA_TASKS]
+    kl = any("kl" in r for r in tab.rows)
     out = ["# edgekv quality benchmark", ""]
     proto = {r["protocol"] for r in tab.rows}
     tmpl = {r["template"] for r in tab.rows}
@@ -105,7 +116,10 @@ def quality_markdown(tab: Table) -> list[str]:
         f"Protocol: {', '.join(sorted(proto))} (agnostic = the context is compressed before the question "
         f"arrives); prompt template: {', '.join(sorted(tmpl))}; greedy decoding. Ratio = fraction of the "
         "context's KV cells removed. Scores are % (mean over samples; multi-answer tasks give partial "
-        "credit); PPL = exp(mean NLL) of the tokens that follow the compressed passage. "
+        "credit); MT = multi-turn (one context, a question per turn, the cache compressed again before "
+        "each; not in QA avg); PPL = exp(mean NLL) of the tokens that follow the compressed passage; KL = "
+        "mean KL divergence (nats) of the next-token distribution from the full cache's over those tokens, "
+        "top-1 = how often both caches' most likely token agree. "
         "`context_shift` is llama.cpp's context shift with n_ctx = the cells the other methods keep "
         f"(KV column: its allocation). Haystack and PPL text: {SOURCE}."
     )
@@ -120,8 +134,12 @@ def quality_markdown(tab: Table) -> list[str]:
         head = ["method", "ratio", *[TASK_LABEL.get(t, t) for t in qa]]
         if qa:
             head.append("QA avg")
+        if "multiturn" in tasks:
+            head.append("MT")
         if "ppl" in tasks:
             head.append("PPL")
+            if kl:
+                head += ["KL", "top-1 %"]
         head += ["kept %", "KV MiB", "n"]
         out.append("| " + " | ".join(head) + " |")
         out.append("|" + "|".join(["---"] * 2 + ["---:"] * (len(head) - 2)) + "|")
@@ -130,13 +148,29 @@ def quality_markdown(tab: Table) -> list[str]:
             cells += [_fmt(tab.score(cfg, m, r, t)[0], 0) for t in qa]
             if qa:
                 cells.append(_fmt(tab.qa_avg(cfg, m, r)))
+            if "multiturn" in tasks:
+                cells.append(_fmt(tab.score(cfg, m, r, "multiturn")[0], 1))
             if "ppl" in tasks:
                 cells.append(_fmt(tab.score(cfg, m, r, "ppl")[0], 2))
+                if kl:
+                    d, t1 = tab.divergence(cfg, m, r)
+                    cells += [_fmt(d, 3), _fmt(t1, 1)]
             mib, kept = tab.kv(cfg, m, r)
             nn = sorted({tab.score(cfg, m, r, t)[1] for t in tasks} - {0})
             cells += [_fmt(100 * kept, 1), _fmt(mib, 2), "/".join(map(str, nn)) or "0"]
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
+        per_turn = {(m, r): tab.turns(cfg, m, r) for m, r in evals}
+        width = max((len(v) for v in per_turn.values()), default=0)
+        if width:
+            out.append(f"Multi-turn, accuracy % per turn ({model}, {length} tokens, {ct}, query-{protocol}):")
+            out.append("")
+            out.append("| method | ratio | " + " | ".join(f"turn {j + 1}" for j in range(width)) + " |")
+            out.append("|---|---|" + "---:|" * width)
+            for (m, r), v in per_turn.items():
+                if v:
+                    out.append(f"| {m} | {'–' if r == 0 else f'{r:g}'} | " + " | ".join(_fmt(x, 0) for x in v) + " |")
+            out.append("")
     # KV quantisation alone: the full cache across cache types.
     by = defaultdict(dict)
     for cfg in tab.configs():

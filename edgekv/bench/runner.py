@@ -39,7 +39,7 @@ RESULTS_FILE = "results.jsonl"
 DEFAULT_RATIOS = (0.5, 0.75, 0.875, 0.9375)
 SINGLE_ANSWER = ("passkey", "niah_single", "niah_multikey")
 # The default grid: about half an hour for --n 20 on 2 cores with SmolLM2-135M (bench/RESULTS.md).
-DEFAULT_TASKS = ("niah_single", "niah_multikey", "vt", "ppl")
+DEFAULT_TASKS = ("niah_single", "niah_multikey", "vt", "multiturn", "ppl")
 
 
 @dataclass
@@ -141,7 +141,7 @@ def _evals(methods: list[str], ratios: list[float]) -> list[tuple[str, float]]:
 
 
 def _stop_fn(task: str) -> Callable[[str], bool]:
-    if task in SINGLE_ANSWER:
+    if task in SINGLE_ANSWER or task == "multiturn":
         return lambda s: re.search(r"\d+\D", s) is not None or ("\n" in s.strip())
     return lambda s: False
 
@@ -164,15 +164,28 @@ class Prepared:
     prompt: tasks.Prompt | None
     tokens: list[int] | None  # ppl: context tokens; last one is fed after compression
     eval_tokens: list[int] | None
+    turns: list[tasks.Prompt] = field(default_factory=list)  # multiturn: the turns after the first
+    query_aware: bool = False
+    reference: np.ndarray | None = None  # ppl: the full cache's log-probabilities over the continuation
 
 
-def _prepare(model, task: str, length: int, grid: Grid, index: int, frame) -> Prepared:
+def _prepare(model, task: str, length: int, grid: Grid, index: int, frame, separator: str | None) -> Prepared:
     count = lambda s: len(model.tokenize(s, add_special=False))  # noqa: E731
     s = tasks.make_sample(task, length, grid.seed, index, count)
     if task == "ppl":
         toks = model.tokenize(s.context, add_special=True)
         return Prepared(s, None, toks[:length], toks[length : length + grid.eval_tokens])
-    return Prepared(s, tasks.build_prompt(s, query_aware=grid.query_aware, frame=frame), None, None)
+    turns = tasks.later_turns(s, frame, separator) if task == "multiturn" else []
+    return Prepared(s, tasks.build_prompt(s, query_aware=grid.query_aware, frame=frame), None, None, turns,
+                    grid.query_aware)
+
+
+def _reference(sess, prep: Prepared, pre: evaluation.Prefill) -> np.ndarray:
+    """float32 [n_eval, n_vocab]: log-probabilities of the full cache over the ppl continuation,
+    which every method's row is compared with (KL divergence, top-1 agreement)."""
+    evaluation.compress_once(sess, pre, "full")
+    inputs = [prep.tokens[-1], *prep.eval_tokens[:-1]]
+    return np.stack([scoring.log_softmax(lg) for lg in _feed_logits(sess, inputs)])
 
 
 def _run_oneshot(sess, prep: Prepared, method: str, ratio: float, pre: evaluation.Prefill) -> dict:
@@ -180,23 +193,42 @@ def _run_oneshot(sess, prep: Prepared, method: str, ratio: float, pre: evaluatio
     compress_s = evaluation.compress_once(sess, pre, method, ratio=ratio)
     cells = sess.engine.n_cells
     row = {"cells": cells, "kv_bytes": cells * sess.stats.kv_bytes_per_cell, "compress_s": round(compress_s, 4)}
-    row.update(_answer(sess, prep))
+    target = evaluation.target_cells(pre.n_cells, ratio) if ratio > 0 and sess.method.compresses else None
+    row.update(_answer(sess, prep, target))
     return row
 
 
-def _answer(sess, prep: Prepared) -> dict:
+def _answer(sess, prep: Prepared, target: int | None = None) -> dict:
+    """Ask (or continue) and score. ``target``: the cells a multi-turn conversation is compressed
+    back to before each later turn (None: it is not, e.g. the full cache)."""
     t0 = time.perf_counter()
     if prep.sample.task == "ppl":
         targets = prep.eval_tokens
         inputs = [prep.tokens[-1], *targets[:-1]]
-        nll = -sum(scoring.log_softmax_at(lg, t) for lg, t in zip(_feed_logits(sess, inputs), targets, strict=True))
+        logits = list(_feed_logits(sess, inputs))
+        nll = -sum(scoring.log_softmax_at(lg, t) for lg, t in zip(logits, targets, strict=True))
         n = len(targets)
-        return {"score": round(scoring.perplexity(nll, n), 4), "nll": round(nll / n, 5), "n_eval": n,
-                "gen_s": round(time.perf_counter() - t0, 3)}
+        row = {"score": round(scoring.perplexity(nll, n), 4), "nll": round(nll / n, 5), "n_eval": n}
+        if prep.reference is not None:
+            kl, top1 = scoring.kl_top1(prep.reference, np.stack([scoring.log_softmax(lg) for lg in logits]))
+            row.update(kl=round(kl, 6), top1=round(top1, 4))
+        return {**row, "gen_s": round(time.perf_counter() - t0, 3)}
     s = prep.sample
     sess.feed_text(prep.prompt.query, add_special=False)
     out = _generate(sess, s.max_new_tokens, _stop_fn(s.task))
-    return {"score": scoring.score(s.task, out, s.answers), "output": out.strip()[:200],
+    if s.task != "multiturn":
+        return {"score": scoring.score(s.task, out, s.answers), "output": out.strip()[:200],
+                "answers": list(s.answers), "gen_s": round(time.perf_counter() - t0, 3)}
+    outs = [out]
+    for turn in prep.turns:
+        if prep.query_aware:
+            sess.feed_text(turn.context, add_special=False)
+        if target is not None and sess.engine.n_cells > target:
+            sess.compress(target)
+        sess.feed_text(turn.query if prep.query_aware else turn.context + turn.query, add_special=False)
+        outs.append(_generate(sess, s.max_new_tokens, _stop_fn("niah_single")))
+    per_turn = [scoring.score("niah_single", o, (a,)) for o, a in zip(outs, s.answers, strict=True)]
+    return {"score": sum(per_turn) / len(per_turn), "turn_scores": per_turn, "output": [o.strip()[:80] for o in outs],
             "answers": list(s.answers), "gen_s": round(time.perf_counter() - t0, 3)}
 
 
@@ -315,7 +347,9 @@ def run_quality(grid: Grid, *, log: Callable[[str], None] | None = None) -> Path
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     grid.out.mkdir(parents=True, exist_ok=True)
     path = grid.out / RESULTS_FILE
-    done = {row_key(r) for r in load_rows(path)}
+    # ppl rows written before KL divergence was measured are measured again (the report takes the latest)
+    done = {row_key(r) for r in load_rows(path) if not (r["task"] == "ppl" and r.get("score") is not None
+                                                         and "kl" not in r)}
     methods = grid.method_names()
     # the prefill records the queries every attention method of the grid will read
     observe = max((get_method(m).queries_needed for m in methods), default=0)
@@ -368,12 +402,15 @@ def run_quality(grid: Grid, *, log: Callable[[str], None] | None = None) -> Path
                                    n_threads=grid.threads, observe=observe, tally=tally)
                     sess_key = key
                 frame = tasks.chat_frame(model) if grid.chat and task != "ppl" else None
-                prep = _prepare(model, task, length, grid, i, frame)
+                sep = tasks.turn_separator(model) if grid.chat and task == "multiturn" else None
+                prep = _prepare(model, task, length, grid, i, frame, sep)
                 rep.stage(f"{label} {ct} L={length} {task} #{i}: prefill", len(todo) + 1)
                 ctx_tokens = (prep.tokens[:-1] if task == "ppl"
                               else model.tokenize(prep.prompt.context, add_special=True))
                 pre = evaluation.prefill(sess, ctx_tokens)
                 prefill_s, n_prompt = pre.seconds, pre.n_cells
+                if task == "ppl":
+                    prep.reference = _reference(sess, prep, pre)
                 rep.advance_stage()
                 summary = []
                 for m, r in todo:

@@ -49,3 +49,19 @@ def log_softmax_at(logits: np.ndarray, token: int) -> float:
 
 def perplexity(nll_sum: float, n: int) -> float:
     return math.exp(nll_sum / n) if n else float("nan")
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """float32 log-probabilities of one position's logits (computed in float64)."""
+    x = logits.astype(np.float64)
+    x = x - x.max()
+    return (x - math.log(np.exp(x).sum())).astype(np.float32)
+
+
+def kl_top1(ref: np.ndarray, got: np.ndarray) -> tuple[float, float]:
+    """Mean KL(ref || got) in nats and the fraction of positions whose most likely token agrees,
+    over [positions, vocab] log-probabilities (llama-perplexity --kl-divergence's two numbers)."""
+    p = ref.astype(np.float64)
+    kl = (np.exp(p) * (p - got.astype(np.float64))).sum(axis=1)
+    top1 = ref.argmax(axis=1) == got.argmax(axis=1)
+    return float(np.maximum(kl, 0.0).mean()), float(top1.mean())

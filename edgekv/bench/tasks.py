@@ -37,7 +37,10 @@ from ..errors import EdgekvError
 Counter = Callable[[str], int]
 
 QA_TASKS = ("passkey", "niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe")
-TASKS = QA_TASKS + ("ppl",)
+# multiturn: one context, then a question per turn with the cache compressed before each (SCBench's
+# multi-turn setting); reported beside the one-question tasks, not in their average
+TASKS = QA_TASKS + ("multiturn", "ppl")
+MULTITURN_TURNS = 4
 
 # Words for needle keys: none is a word Austen would write hyphenated with another.
 ADJECTIVES = (
@@ -222,6 +225,28 @@ def _niah(task: str, n_tokens: int, seed: int, index: int, count: Counter) -> Sa
                   max_new, {"keys": keys, "depths": depths})
 
 
+def _multiturn(n_tokens: int, seed: int, index: int, count: Counter, turns: int = MULTITURN_TURNS) -> Sample:
+    """``turns`` keyed needles in one haystack, asked one per turn in random order."""
+    rng = _rng("multiturn", n_tokens, seed, index)
+    taken: set[str] = set()
+    keys = _keys(rng, turns)
+    vals = {k: _number(rng, 7, taken) for k in keys}
+    needles = [f"One of the special magic numbers for {k} is: {vals[k]}." for k in keys]
+    rng.shuffle(needles)
+    order = keys[:]
+    rng.shuffle(order)
+    questions = [f"What is the special magic number for {k} mentioned in the provided text?" for k in order]
+    prefixes = [f"The special magic number for {k} mentioned in the provided text is" for k in order]
+    max_new = 12
+    # every later turn's question, prefix and answer arrive after the context too
+    fixed = NIAH_INTRO + "".join(q + p for q, p in zip(questions, prefixes, strict=True))
+    budget = n_tokens - count(fixed) - turns * max_new - SLACK
+    parts, depths = _fit_needles(rng, budget, needles, count, fixed)
+    return Sample("multiturn", index, n_tokens, NIAH_INTRO, " ".join(parts), questions[0], prefixes[0],
+                  tuple(vals[k] for k in order), max_new,
+                  {"keys": order, "questions": questions, "prefixes": prefixes, "depths": depths})
+
+
 def _var_name(rng: random.Random, taken: set[str]) -> str:
     while True:
         v = "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5))
@@ -321,6 +346,8 @@ def make_sample(task: str, n_tokens: int, seed: int, index: int, count: Counter 
         raise EdgekvError(f"context length {n_tokens} is too short for a task (minimum 128)")
     if task in ("passkey", "niah_single", "niah_multikey", "niah_multivalue"):
         return _niah(task, n_tokens, seed, index, count)
+    if task == "multiturn":
+        return _multiturn(n_tokens, seed, index, count)
     if task == "vt":
         return _vt(n_tokens, seed, index, count)
     if task == "cwe":
@@ -350,6 +377,27 @@ def chat_frame(model) -> tuple[str, str]:
         raise EdgekvError("the chat template dropped the message")
     before, after = rendered.split(mark, 1)
     return before, after
+
+
+def turn_separator(model) -> str:
+    """The chat template's text between an assistant reply and the next user message."""
+    a, b = "\x1fEDGEKV-A\x1f", "\x1fEDGEKV-B\x1f"
+    rendered = model.apply_chat_template([{"role": "user", "content": "x"}, {"role": "assistant", "content": a},
+                                          {"role": "user", "content": b}], add_assistant=True)
+    if a not in rendered or b not in rendered:
+        raise EdgekvError("the chat template dropped a message")
+    return rendered.split(a, 1)[1].split(b, 1)[0]
+
+
+def later_turns(s: Sample, frame: tuple[str, str] | None, separator: str | None) -> list[Prompt]:
+    """The turns after the first (multiturn), as (question, what follows it): the end of the
+    last reply and the next user turn with its question, then the end of that turn and the
+    answer prefix. Query-agnostic, the cache is compressed before a turn's question; query-aware,
+    between its question and the rest. The first turn is ``build_prompt``'s."""
+    _, after = frame or ("", "\n")
+    sep = separator if separator is not None else "\n"
+    return [Prompt(context=sep + q, query=after + p)
+            for q, p in zip(s.meta["questions"][1:], s.meta["prefixes"][1:], strict=True)]
 
 
 def build_prompt(s: Sample, *, query_aware: bool = False, frame: tuple[str, str] | None = None) -> Prompt:
