@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import EdgekvError
-from ..methods import get_method
+from ..methods import Method, get_method
 from . import protocol as evaluation
 from . import scoring, tasks
 
@@ -169,7 +169,7 @@ class Prepared:
     reference: np.ndarray | None = None  # ppl: the full cache's log-probabilities over the continuation
 
 
-def _prepare(model, task: str, length: int, grid: Grid, index: int, frame, separator: str | None) -> Prepared:
+def prepare(model, task: str, length: int, grid: Grid, index: int, frame, separator: str | None) -> Prepared:
     count = lambda s: len(model.tokenize(s, add_special=False))  # noqa: E731
     s = tasks.make_sample(task, length, grid.seed, index, count)
     if task == "ppl":
@@ -188,7 +188,7 @@ def _reference(sess, prep: Prepared, pre: evaluation.Prefill) -> np.ndarray:
     return np.stack([scoring.log_softmax(lg) for lg in _feed_logits(sess, inputs)])
 
 
-def _run_oneshot(sess, prep: Prepared, method: str, ratio: float, pre: evaluation.Prefill) -> dict:
+def run_oneshot(sess, prep: Prepared, method: str | Method, ratio: float, pre: evaluation.Prefill) -> dict:
     """The shared protocol (restore the prefilled context, compress once), then ask and score."""
     compress_s = evaluation.compress_once(sess, pre, method, ratio=ratio)
     cells = sess.engine.n_cells
@@ -403,7 +403,7 @@ def run_quality(grid: Grid, *, log: Callable[[str], None] | None = None) -> Path
                     sess_key = key
                 frame = tasks.chat_frame(model) if grid.chat and task != "ppl" else None
                 sep = tasks.turn_separator(model) if grid.chat and task == "multiturn" else None
-                prep = _prepare(model, task, length, grid, i, frame, sep)
+                prep = prepare(model, task, length, grid, i, frame, sep)
                 rep.stage(f"{label} {ct} L={length} {task} #{i}: prefill", len(todo) + 1)
                 ctx_tokens = (prep.tokens[:-1] if task == "ppl"
                               else model.tokenize(prep.prompt.context, add_special=True))
@@ -421,7 +421,7 @@ def run_quality(grid: Grid, *, log: Callable[[str], None] | None = None) -> Path
                         if getattr(METHODS[m], "shifts_positions", False):
                             row.update(_run_streaming(model, grid, ct, prep, m, r, n_prompt))
                         else:
-                            row.update(_run_oneshot(sess, prep, m, r, pre))
+                            row.update(run_oneshot(sess, prep, m, r, pre))
                     except EdgekvError as e:  # e.g. a budget below what the method must keep
                         row.update({"error": str(e), "score": None})
                     row["kept"] = round(row["cells"] / n_prompt, 4) if row.get("cells") else None
