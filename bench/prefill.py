@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""Prefill throughput, side by side in one run: edgekv's Session, llama-cpp-python's
+``Llama.eval`` (the same libllama through its high-level API) and PyTorch fp32 on the
+GGUF dequantised by transformers (the path kvpress users take; optional, needs
+``.[compare]``).
+
+For each prompt length, the implementations take turns (the order rotates every
+round) on the same tokens of real prose; the medians over the rounds are reported.
+edgekv is measured with each ``--chunks`` value (its prefill batch), so the fastest
+can become the default.
+
+    .venv/bin/python bench/prefill.py --lengths 1024,4096,8192 --rounds 3
+writes bench/results/prefill.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--lengths", default="1024,4096,8192")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--chunks", default="256,512", help="edgekv prefill batch sizes to measure")
+    ap.add_argument("--impls", default="edgekv,llama_cpp,torch")
+    ap.add_argument("--out", default="prefill")
+    a = ap.parse_args()
+
+    from edgekv.bench.results import machine, write_json
+    from edgekv.bench.speed import long_text_tokens
+    from edgekv.llama import Model
+    from edgekv.models import resolve_model
+    from edgekv.session import Session
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    path = resolve_model(a.model)
+    model = Model(path)
+    lengths = [int(x) for x in a.lengths.split(",")]
+    chunks = [int(x) for x in a.chunks.split(",")]
+    impls = a.impls.split(",")
+    tokens = long_text_tokens(model, max(lengths))
+
+    runners: dict[str, object] = {}
+    for c in chunks if "edgekv" in impls else []:
+        def run_edgekv(toks: list[int], c: int = c) -> float:
+            with Session(model, method="full", n_ctx=len(toks) + 16, chunk=c, n_threads=a.threads) as s:
+                t0 = time.perf_counter()
+                s.feed(toks)
+                return time.perf_counter() - t0
+        runners[f"edgekv chunk {c}"] = run_edgekv
+    if "llama_cpp" in impls:
+        import llama_cpp
+
+        llms: dict[int, llama_cpp.Llama] = {}
+
+        def run_llama(toks: list[int]) -> float:
+            if len(toks) not in llms:
+                for old in llms.values():
+                    old.close()
+                llms.clear()
+                llms[len(toks)] = llama_cpp.Llama(model_path=str(path), n_ctx=len(toks) + 16, n_batch=512,
+                                                  n_threads=a.threads, n_threads_batch=a.threads, verbose=False)
+            llm = llms[len(toks)]
+            llm.reset()  # eval then removes every cell from position 0 on
+            t0 = time.perf_counter()
+            llm.eval(toks)
+            return time.perf_counter() - t0
+        runners["llama-cpp-python Llama.eval"] = run_llama
+    if "torch" in impls:
+        try:
+            import torch
+            from transformers import AutoModelForCausalLM
+            from transformers.utils import logging as hf_logging
+        except ImportError:
+            log("torch/transformers not installed (pip install -e .[compare]): PyTorch left out")
+        else:
+            hf_logging.disable_progress_bar()
+            hf_logging.set_verbosity_error()
+            torch.set_num_threads(a.threads)
+            hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+            hf.eval()
+
+            def run_torch(toks: list[int]) -> float:
+                ids = torch.tensor([toks])
+                with torch.no_grad():
+                    t0 = time.perf_counter()
+                    hf.model(input_ids=ids)
+                    return time.perf_counter() - t0
+            runners[f"PyTorch {torch.__version__} fp32"] = run_torch
+
+    names = list(runners)
+    rows = []
+    for n in lengths:
+        toks = tokens[:n]
+        times: dict[str, list[float]] = {k: [] for k in names}
+        for r in range(a.rounds):
+            order = names[r % len(names):] + names[: r % len(names)]
+            for name in order:
+                times[name].append(runners[name](toks))
+                log(f"{n} tokens, round {r + 1}/{a.rounds}: {name} {n / times[name][-1]:.0f} tok/s")
+        for name in names:
+            med = statistics.median(times[name])
+            rows.append({"impl": name, "tokens": n, "seconds": [round(t, 3) for t in times[name]],
+                         "tok_s": round(n / med, 1)})
+            log(f"== {n} tokens: {name} {n / med:.1f} tok/s (median of {a.rounds})")
+    out = write_json(a.out, {"machine": machine(), "command": " ".join(["bench/prefill.py", *sys.argv[1:]]),
+                             "model": a.model, "threads": a.threads, "rows": rows})
+    log(str(out))
+
+
+if __name__ == "__main__":
+    main()
