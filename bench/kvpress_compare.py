@@ -51,6 +51,7 @@ PAIRS: dict[str, dict] = {
                 "edgekv as kvpress": ("chunkkv", {"per_layer": True, "chunk": 20, "window": 64})},
     "lagkv": {"edgekv": ("lagkv", {}), "edgekv as kvpress": ("lagkv", {"sinks": 4})},
     "random": {"edgekv": ("random", {})},
+    "full": {"edgekv": ("full", {})},  # no compression: what fp32 PyTorch against llama.cpp alone changes
 }
 
 
@@ -65,6 +66,7 @@ def make_press(name: str, ratio: float):
     )
 
     return {
+        "full": lambda: None,
         "knorm": lambda: KnormPress(compression_ratio=ratio),
         "streaming_llm": lambda: StreamingLLMPress(compression_ratio=ratio, n_sink=4),
         "snapkv": lambda: SnapKVPress(compression_ratio=ratio, window_size=64, kernel_size=5),
@@ -87,6 +89,18 @@ def load_hf(gguf: Path, threads: int):
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     model.eval()
     return model, tok
+
+
+def cut_like_edgekv(task: str, text: str) -> str:
+    """kvpress's answer up to where edgekv's generation would have stopped (its stop rule for
+    the task, applied to every prefix), so both are scored on the same span."""
+    from edgekv.bench.runner import _stop_fn
+
+    stop = _stop_fn(task)
+    for i in range(1, len(text) + 1):
+        if stop(text[:i]):
+            return text[:i]
+    return text
 
 
 def kvpress_answer(pipe, press, context_ids: list[int], query_ids: list[int], max_new: int) -> tuple[str, int]:
@@ -127,7 +141,7 @@ def accuracy(args, model_path: Path, out: Path, log) -> None:
     grid = Grid(n=args.n, lengths=[LENGTH], tasks=list(TASKS))
     frame = tasks.chat_frame(ekv)
     observe = max(get_method(m, **p).queries_needed for v in PAIRS.values() for m, p in v.values())
-    total = args.n * len(TASKS) * len(args.ratios) * sum(len(v) + 1 for v in PAIRS.values())
+    total = args.n * len(TASKS) * sum((len(v) + 1) * (1 if k == "full" else len(args.ratios)) for k, v in PAIRS.items())
     n_done = 0
     with Session(ekv, method="full", n_ctx=LENGTH + 256, chunk=512, n_threads=args.threads,
                  observe=observe) as sess, open(path, "a") as f:
@@ -138,7 +152,7 @@ def accuracy(args, model_path: Path, out: Path, log) -> None:
                 query = ekv.tokenize(prep.prompt.query, add_special=False)
                 pre = None
                 for name, variants in PAIRS.items():
-                    for ratio in args.ratios:
+                    for ratio in ([0.0] if name == "full" else args.ratios):
                         base = {"task": task, "sample": i, "method": name, "ratio": ratio, "length": LENGTH}
                         key = (task, i, name, ratio)
                         for impl, (m, params) in variants.items():
@@ -159,6 +173,7 @@ def accuracy(args, model_path: Path, out: Path, log) -> None:
                         t0 = time.perf_counter()
                         answer, kept = kvpress_answer(pipe, make_press(name, ratio), ctx, query,
                                                       prep.sample.max_new_tokens)
+                        answer = cut_like_edgekv(task, answer)
                         row = {**base, "impl": "kvpress", "score": scoring.score(task, answer, prep.sample.answers),
                                "output": answer.strip()[:200], "answers": list(prep.sample.answers), "cells": kept,
                                "seconds": round(time.perf_counter() - t0, 2), "prompt_tokens": len(ctx),
@@ -198,8 +213,8 @@ def overlap(args, model_path: Path, out: Path, log) -> dict:
     window = 64
     result: dict[str, dict] = {}
     for name, variants in PAIRS.items():
-        if name == "random":
-            continue  # two random draws: nothing to compare
+        if name in ("random", "full"):
+            continue  # two random draws, or nothing removed: nothing to compare
         for ratio in args.ratios:
             press = make_press(name, ratio)
             seen: dict[int, dict] = {}
@@ -210,6 +225,7 @@ def overlap(args, model_path: Path, out: Path, log) -> dict:
                 kept = []
                 for h in range(keys.shape[1]):
                     rows = {keys[0, h, t].numpy().tobytes(): t for t in range(keys.shape[2])}
+                    assert len(rows) == keys.shape[2], "two identical key rows: kept cells would be ambiguous"
                     kept.append(sorted(rows[k2[0, h, j].numpy().tobytes()] for j in range(k2.shape[2])))
                 q = get_prerope_query_states(module, hidden_states[:, -window:])
                 cos, sin = kwargs["position_embeddings"]
@@ -250,10 +266,24 @@ def overlap(args, model_path: Path, out: Path, log) -> dict:
 
 
 def report(out: Path) -> str:
-    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines() if line.strip()]
+    rows = []
+    path = out / "results.jsonl"
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a torn last line (interrupted)
+            continue
+    # only samples every implementation of a (method, ratio) has, so both means cover the same prompts
+    impls: dict[tuple, set[str]] = {}
+    for r in rows:
+        impls.setdefault((r["method"], r["ratio"]), set()).add(r["impl"])
+    have: dict[tuple, set[str]] = {}
+    for r in rows:
+        have.setdefault((r["method"], r["ratio"], r["task"], r["sample"]), set()).add(r["impl"])
     cells: dict[tuple, list[float]] = {}
     for r in rows:
-        cells.setdefault((r["method"], r["ratio"], r["impl"]), []).append(r["score"])
+        if have[(r["method"], r["ratio"], r["task"], r["sample"])] == impls[(r["method"], r["ratio"])]:
+            cells.setdefault((r["method"], r["ratio"], r["impl"]), []).append(r["score"])
     lines = ["| method | ratio | impl | accuracy % | n |", "|---|---:|---|---:|---:|"]
     for (m, ratio, impl), v in sorted(cells.items()):
         lines.append(f"| {m} | {ratio:g} | {impl} | {100 * sum(v) / len(v):.1f} | {len(v)} |")

@@ -52,7 +52,9 @@ class Table:
 
     def divergence(self, cfg: tuple, method: str, ratio: float) -> tuple[float, float]:
         """(mean KL from the full cache in nats, top-1 agreement %) over the ppl continuations."""
-        rs = [r for r in self.cell.get((*cfg, method, ratio, "ppl"), []) if "kl" in r]
+        rs = self.cell.get((*cfg, method, ratio, "ppl"), [])
+        if not rs or any("kl" not in r for r in rs):  # rows from before KL was measured: no partial mean
+            return float("nan"), float("nan")
         return _mean([r["kl"] for r in rs]), 100.0 * _mean([r["top1"] for r in rs])
 
     def turns(self, cfg: tuple, method: str, ratio: float) -> list[float]:
@@ -80,8 +82,9 @@ class Table:
         return _mean(vals)
 
     def kv(self, cfg: tuple, method: str, ratio: float) -> tuple[float, float]:
-        """(mean KV MiB, mean kept fraction) over every row of the pair."""
-        rs = [r for t in self.tasks() for r in self.cell.get((*cfg, method, ratio, t), [])]
+        """(mean KV MiB, mean kept fraction) over the pair's one-question and ppl rows (a multi-turn
+        context is shorter: its later turns take part of the length)."""
+        rs = [r for t in self.tasks() if t != "multiturn" for r in self.cell.get((*cfg, method, ratio, t), [])]
         return (_mean([r["kv_bytes"] / 2**20 for r in rs]),
                 _mean([r["kept"] for r in rs if r.get("kept") is not None]))
 
@@ -117,8 +120,9 @@ def quality_markdown(tab: Table) -> list[str]:
         f"arrives); prompt template: {', '.join(sorted(tmpl))}; greedy decoding. Ratio = fraction of the "
         "context's KV cells removed. Scores are % (mean over samples; multi-answer tasks give partial "
         "credit); MT = multi-turn (one context, a question per turn, the cache compressed again before "
-        "each; not in QA avg); PPL = exp(mean NLL) of the tokens that follow the compressed passage; KL = "
-        "mean KL divergence (nats) of the next-token distribution from the full cache's over those tokens, "
+        "each, to the first compression's cells; not in QA avg); PPL = exp(mean NLL) of the tokens that follow "
+        "the compressed passage; KL = mean KL divergence (nats) of the next-token distribution from the full "
+        "cache's (same cache type) over those tokens, "
         "top-1 = how often both caches' most likely token agree. "
         "`context_shift` is llama.cpp's context shift with n_ctx = the cells the other methods keep "
         f"(KV column: its allocation). Haystack and PPL text: {SOURCE}."
@@ -250,7 +254,7 @@ def plot_quality(tab: Table, results_dir: Path) -> list[Path]:
         model, ct, length, protocol = cfg
         evals = tab.evals(cfg)
         methods = _method_order({m for m, _ in evals})
-        panels = tasks + (["qa_avg"] if len([t for t in tasks if t != "ppl"]) > 1 else [])
+        panels = tasks + (["qa_avg"] if len([t for t in tasks if t in QA_TASKS]) > 1 else [])
         ncol = min(4, len(panels))
         nrow = math.ceil(len(panels) / ncol)
         fig, axes = plt.subplots(nrow, ncol, figsize=(3.6 * ncol, 3.0 * nrow), squeeze=False)

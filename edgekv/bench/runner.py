@@ -7,6 +7,11 @@ sequence is saved and restored for every (method, ratio). ``query_aware``
 ends the compressed context with the question (attention methods see it in
 their observation window) and feeds only the answer prefix after.
 
+The ppl task also compares every row's next-token distributions with the full
+cache's over the same continuation (KL divergence, top-1 agreement); the
+multiturn task asks a question per turn, compressing back to the first
+compression's cells before each.
+
 Methods that move positions (llama.cpp's context shift) cannot start from a
 full prefill: they run as llama.cpp would, in a context of ``n_ctx`` = the
 same number of cells the other methods keep, streaming the whole sample
@@ -38,7 +43,7 @@ from . import scoring, tasks
 RESULTS_FILE = "results.jsonl"
 DEFAULT_RATIOS = (0.5, 0.75, 0.875, 0.9375)
 SINGLE_ANSWER = ("passkey", "niah_single", "niah_multikey")
-# The default grid: about half an hour for --n 20 on 2 cores with SmolLM2-135M (bench/RESULTS.md).
+# The default grid (every method, 4 ratios, --n 20, SmolLM2-135M, 2 cores): hours; it resumes.
 DEFAULT_TASKS = ("niah_single", "niah_multikey", "vt", "multiturn", "ppl")
 
 

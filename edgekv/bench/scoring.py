@@ -62,6 +62,7 @@ def kl_top1(ref: np.ndarray, got: np.ndarray) -> tuple[float, float]:
     """Mean KL(ref || got) in nats and the fraction of positions whose most likely token agrees,
     over [positions, vocab] log-probabilities (llama-perplexity --kl-divergence's two numbers)."""
     p = ref.astype(np.float64)
-    kl = (np.exp(p) * (p - got.astype(np.float64))).sum(axis=1)
+    terms = np.exp(p) * (p - got.astype(np.float64))
+    kl = np.where(np.isfinite(p), terms, 0.0).sum(axis=1)  # tokens the reference gives no mass add nothing
     top1 = ref.argmax(axis=1) == got.argmax(axis=1)
     return float(np.maximum(kl, 0.0).mean()), float(top1.mean())

@@ -238,7 +238,8 @@ def _multiturn(n_tokens: int, seed: int, index: int, count: Counter, turns: int 
     questions = [f"What is the special magic number for {k} mentioned in the provided text?" for k in order]
     prefixes = [f"The special magic number for {k} mentioned in the provided text is" for k in order]
     max_new = 12
-    # every later turn's question, prefix and answer arrive after the context too
+    # every later turn's question, prefix and answer arrive after the context too (a chat template's turn markers
+    # are not counted: the sweep's context holds length + 192 cells, room for them)
     fixed = NIAH_INTRO + "".join(q + p for q, p in zip(questions, prefixes, strict=True))
     budget = n_tokens - count(fixed) - turns * max_new - SLACK
     parts, depths = _fit_needles(rng, budget, needles, count, fixed)
