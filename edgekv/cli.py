@@ -379,7 +379,7 @@ def serve(
     max_prompt_tokens: Annotated[int, typer.Option(help="Most prompt tokens one request may add (a prefill limit per request).")] = 16384,
     max_tokens: Annotated[int, typer.Option(help="Default longest reply, in tokens, when a request gives none.")] = 512,
     temperature: Annotated[float, typer.Option(help="Default temperature when a request gives none (0 = greedy).")] = 0.7,
-    state_dir: Annotated[Path | None, typer.Option(help="Where saved conversations go (default: a new directory under ~/.cache/edgekv/server).")] = None,
+    state_dir: Annotated[Path | None, typer.Option(help="Keep conversations here, across restarts: at exit every one is saved with an index, and the next server on this directory resumes them. Default: a new directory under ~/.cache/edgekv/server, removed at exit.")] = None,
     model_name: Annotated[str | None, typer.Option(help="The model id clients send (default: the registry name or the file name without .gguf).")] = None,
 ) -> None:
     """OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models,
@@ -418,6 +418,7 @@ def serve(
             state_dir=state_dir, cache_type_k=cache_type_k, cache_type_v=cache_type_v, flash_attn=flash_attn,
             threads=threads, engine=engine, chunk=chunk, max_live=max_live, max_conversations=max_conversations,
             max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens, temperature=temperature,
+            persist=not own_dir,
         )
         server = App(cfg, api_key=api_key)
         typer.echo(f"edgekv serve: http://{host}:{port}/  model {cfg.model_id}, method {method}, n_ctx {n_ctx}"

@@ -409,3 +409,38 @@ def test_seeds_and_replies_the_client_trims_or_cuts(served) -> None:
         new = r.usage.prompt_tokens - r.usage.prompt_tokens_details.cached_tokens
         assert new < 30, f"turn {turn + 2} fed {new} prompt tokens: earlier turns again"
     _consistent(base, app)
+
+
+def test_conversations_outlive_a_restart_with_a_state_dir(smollm2, tmp_path) -> None:
+    """persist: at shutdown every conversation is saved with an index; the next server on the
+    same directory continues it, with the answer an uninterrupted server gives."""
+    from edgekv.errors import EdgekvError
+
+    first = [{"role": "user", "content": "Tell me about a small harbour town and the people who live there. " * 8}]
+    later = "Who is the oldest of them?"
+
+    def server(state, **kw) -> App:
+        return App(config(smollm2, state, n_ctx=kw.pop("n_ctx", 160), defaults=Settings("knorm", 96), **kw))
+
+    def ask(base: str, msgs: list) -> tuple[str, dict]:
+        r = _client(base).chat.completions.create(model=MODEL, messages=msgs, max_tokens=24)
+        return r.choices[0].message.content, r.model_extra["edgekv"]
+
+    with running(server(tmp_path / "plain")) as base:  # uninterrupted
+        a1, _ = ask(base, first)
+        want, ek0 = ask(base, [*first, {"role": "assistant", "content": a1}, {"role": "user", "content": later}])
+    kept = tmp_path / "kept"
+    with running(server(kept, persist=True)) as base:
+        assert ask(base, first)[0] == a1
+    assert (kept / "conversations.json").is_file() and len(list(kept.glob("conv-*.ekv"))) == 1
+    with running(server(kept, persist=True)) as base:
+        assert _stats(base)["totals"]["saved"] == 1
+        text, ek = ask(base, [*first, {"role": "assistant", "content": a1}, {"role": "user", "content": later}])
+        assert _stats(base)["totals"]["resumes"] == 1
+    assert ek["continued"] and ek["compressions"] >= 1 and ek["requests"] == 2
+    assert text == want and (ek["cells"], ek["tokens_seen"]) == (ek0["cells"], ek0["tokens_seen"])
+    # a server of another shape on that directory stops at start, and loses nothing
+    before = (kept / "conversations.json").read_bytes()
+    with pytest.raises(EdgekvError, match="n_ctx 160"):
+        server(kept, n_ctx=192, persist=True)
+    assert (kept / "conversations.json").read_bytes() == before

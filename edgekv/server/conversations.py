@@ -16,6 +16,8 @@ the store; ``lock`` guards what the stats endpoint reads.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import threading
 import time
 import uuid
@@ -23,9 +25,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import EdgekvError
 from ..llama import Model
 from ..methods import METHODS, Method, get_method
-from ..session import Session, Stats, check_budget, common_prefix
+from ..session import Event, Session, Stats, check_budget, common_prefix
+
+INDEX = "conversations.json"  # with persist: what each saved conversation is, for the next server
+INDEX_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,7 @@ class ServerConfig:
     max_prompt_tokens: int = 16384
     max_tokens: int = 512
     temperature: float = 0.7
+    persist: bool = False  # conversations outlive the server: saved with an index in state_dir at exit
 
     def settings(self, method: str | None, budget: int | None, ratio: float | None,
                  params: dict[str, object] | None) -> Settings:
@@ -127,6 +134,8 @@ class Store:
         self.saves = 0
         self.resumes = 0
         cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        if cfg.persist:
+            self._load_index()
 
     # -- finding ---------------------------------------------------------------
     def find_chat(self, messages: list[dict[str, str]], settings: Settings | None) -> Conversation | None:
@@ -249,11 +258,72 @@ class Store:
             self.drop(idle[0])
 
     def close(self) -> None:
-        for conv in list(self.convs.values()):
-            self.drop(conv)
+        """Free every context; with ``persist``, save every conversation and write the index
+        the next server on this state_dir resumes from, else forget them and their files."""
+        if self.cfg.persist:
+            for conv in list(self.convs.values()):
+                if conv.live and not conv.busy:
+                    self.save(conv)
+            self._write_index()
+        else:
+            for conv in list(self.convs.values()):
+                self.drop(conv)
         for sess in self._spare:
             sess.close()
         self._spare.clear()
+
+    # -- persistence ---------------------------------------------------------------
+    def _shape(self) -> dict[str, object]:
+        """What saved conversations must share with the server that resumes them."""
+        c = self.cfg
+        return {"model": c.model.path.name, "model_size": c.model.path.stat().st_size, "n_ctx": c.n_ctx,
+                "cache_type_k": c.cache_type_k, "cache_type_v": c.cache_type_v}
+
+    def _write_index(self) -> None:
+        saved = [c for c in self.convs.values() if c.file is not None and c.file.is_file()]
+        index = {"version": INDEX_VERSION, **self._shape(), "conversations": [{
+            "id": c.id, "kind": c.kind, "file": c.file.name, "messages": c.messages, "text": c.text,
+            "reply_len": c.reply_len, "requests": c.requests, "last_used": c.last_used,
+            "settings": {"method": c.settings.method, "budget": c.settings.budget, "ratio": c.settings.ratio,
+                         "params": dict(c.settings.params)},
+            "stats": dataclasses.asdict(c.stats) if c.stats is not None else None,
+        } for c in saved]}
+        tmp = self.cfg.state_dir / (INDEX + ".part")
+        tmp.write_text(json.dumps(index))
+        tmp.replace(self.cfg.state_dir / INDEX)
+
+    def _load_index(self) -> None:
+        """Conversations a previous server saved here. An index for another model or context shape,
+        or one that does not parse, stops the server with one line: writing this server's index
+        over it at exit would lose those conversations."""
+        path = self.cfg.state_dir / INDEX
+        if not path.is_file():
+            return
+        try:
+            index = json.loads(path.read_text())
+            if not isinstance(index, dict) or index.get("version") != INDEX_VERSION:
+                raise ValueError("not an index this edgekv writes")
+        except (ValueError, UnicodeDecodeError) as err:
+            raise EdgekvError(f"{path} is not a readable conversation index ({err}); use another --state-dir") from None
+        theirs = {k: index.get(k) for k in self._shape()}
+        if theirs != self._shape():
+            diff = ", ".join(f"{k} {theirs[k]}" for k in theirs if theirs[k] != self._shape()[k])
+            raise EdgekvError(f"{self.cfg.state_dir} holds conversations of another server ({diff}); "
+                              "use another --state-dir")
+        try:
+            for e in index["conversations"]:
+                st = e["stats"]
+                stats = Stats(**{**st, "events": [Event(*x) for x in st["events"]]}) if st else None
+                s = e["settings"]
+                conv = Conversation(
+                    id=e["id"], kind=e["kind"], file=self.cfg.state_dir / Path(e["file"]).name,
+                    settings=Settings(s["method"], s["budget"], s["ratio"], tuple(sorted(s["params"].items()))),
+                    messages=list(e["messages"]), text=e["text"], reply_len=int(e["reply_len"]),
+                    requests=int(e["requests"]), last_used=float(e["last_used"]), stats=stats)
+                if conv.file.is_file():
+                    self.convs[conv.id] = conv
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise EdgekvError(f"{path} is not a readable conversation index ({err}); use another --state-dir") from None
 
     # -- reporting -------------------------------------------------------------------
     def describe(self, conv: Conversation) -> dict[str, object]:
