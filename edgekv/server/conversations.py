@@ -324,6 +324,13 @@ class Store:
                     self.convs[conv.id] = conv
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise EdgekvError(f"{path} is not a readable conversation index ({err}); use another --state-dir") from None
+        # The index describes the files as they are now; this server will rewrite them as it goes.
+        # Removed until a clean exit writes it again, so that after a crash no index can pair old
+        # messages with a newer cache (those conversations then start over from their messages).
+        path.unlink()
+        for f in self.cfg.state_dir.glob("conv-*.ekv"):
+            if f.stem not in self.convs:
+                f.unlink()  # a crashed server's saves: no index says what they hold
 
     # -- reporting -------------------------------------------------------------------
     def describe(self, conv: Conversation) -> dict[str, object]:
