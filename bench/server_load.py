@@ -31,14 +31,6 @@ TOPICS = ["the sea", "mountains", "rivers", "forests", "deserts", "cities", "isl
           "caves", "lakes", "prairies", "jungles", "canyons", "reefs", "marshes"]
 
 
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -67,6 +59,8 @@ def main() -> int:
 
     import openai
 
+    from edgekv.bench.speed import proc_status
+
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "edgekv.cli", "serve", a.model, "--method", a.method, "--budget", str(a.budget),
@@ -90,7 +84,7 @@ def main() -> int:
 
     def sample() -> None:
         while not stop_sampling.is_set():
-            rss.append((time.perf_counter() - t0, rss_mib(server.pid)))
+            rss.append((time.perf_counter() - t0, proc_status("VmRSS", server.pid)))
             stop_sampling.wait(0.5)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -147,11 +141,11 @@ def main() -> int:
     for t in threads:
         t.start()
     warm.wait()
-    warm_at, warm_rss = time.perf_counter() - t0, rss_mib(server.pid)
+    warm_at, warm_rss = time.perf_counter() - t0, proc_status("VmRSS", server.pid)
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    end_rss = rss_mib(server.pid)
+    end_rss = proc_status("VmRSS", server.pid)
     stop_sampling.set()
     sampler.join()
     stats = get(base, "/v1/edgekv/stats")

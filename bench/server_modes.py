@@ -25,14 +25,6 @@ import sys
 import time
 
 
-def rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -46,7 +38,7 @@ def main() -> None:
     a = ap.parse_args()
 
     from edgekv.bench.results import machine, write_json
-    from edgekv.bench.speed import long_text_tokens
+    from edgekv.bench.speed import long_text_tokens, proc_status
     from edgekv.llama import Context, Model, lib
     from edgekv.models import resolve_model
 
@@ -67,21 +59,21 @@ def main() -> None:
     warm.close()
 
     # -- one context per conversation
-    r0 = rss_mib()
+    r0 = proc_status("VmRSS")
     ctxs = [Context(model, n_ctx=cells, **kw) for _ in range(k)]
     for ctx, p in zip(ctxs, prompts, strict=True):
         for i in range(0, len(p), 256):
             ctx.decode(p[i : i + 256], i)
-    contexts_mib = rss_mib() - r0
+    contexts_mib = proc_status("VmRSS") - r0
     log(f"contexts: {k} x {cells} cells, +{contexts_mib:.0f} MiB")
 
     # -- one context, one stream per conversation
-    r0 = rss_mib()
+    r0 = proc_status("VmRSS")
     multi = Context(model, n_ctx=cells * k, n_seq_max=k, **kw)
     for s, p in enumerate(prompts):
         for i in range(0, len(p), 256):
             multi.decode(p[i : i + 256], i, seq=s)
-    streams_mib = rss_mib() - r0
+    streams_mib = proc_status("VmRSS") - r0
     log(f"streams: 1 context, {k} streams of {cells} cells, +{streams_mib:.0f} MiB")
 
     batch = L.llama_batch_init(k, 0, 1)

@@ -47,10 +47,11 @@ class SpeedGrid:
     out: Path = Path("bench/results")
 
 
-def _status(field_name: str) -> float:
-    """A VmXXX line of /proc/self/status in MiB (nan where there is no procfs)."""
+def proc_status(field_name: str, pid: int | str = "self") -> float:
+    """A VmXXX line (VmRSS, VmHWM, ...) of a process's /proc status in MiB (nan where there is
+    no procfs)."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith(field_name + ":"):
                 return int(line.split()[1]) / 1024
     except OSError:
@@ -180,7 +181,7 @@ def _one(model, label, ct, fa, length, grid: SpeedGrid, Session, METHODS, log) -
         rows.append({**base, "mode": "oneshot", "method": "full", "ratio": 0.0, "prefill_s": round(prefill_s, 3),
                      "prefill_tok_s": round(length / prefill_s, 1), "decode_tok_s": round(dec, 2),
                      "cells": n_prompt, "kv_bytes": n_prompt * per_cell, "kv_bytes_allocated": n_ctx * per_cell,
-                     "peak_rss_mib": round(_status("VmHWM"), 1)})
+                     "peak_rss_mib": round(proc_status("VmHWM"), 1)})
         log(f"{label} {ct} fa={fa} {length}: prefill {length / prefill_s:.0f} tok/s, full-cache decode {dec:.1f} tok/s, "
             f"KV {n_prompt * per_cell / 2**20:.1f} MiB")
         for m in grid.methods:
@@ -199,7 +200,7 @@ def _one(model, label, ct, fa, length, grid: SpeedGrid, Session, METHODS, log) -
             rows.append({**base, "mode": "oneshot", "method": m, "ratio": grid.ratio, "cells": cells,
                          "kv_bytes": cells * per_cell, "compress_s": round(cs, 4), "compressions": 1,
                          "overhead_pct": round(100 * cs / prefill_s, 2), "decode_tok_s": round(dec, 2),
-                         "prefill_s": round(prefill_s, 3), "peak_rss_mib": round(_status("VmHWM"), 1)})
+                         "prefill_s": round(prefill_s, 3), "peak_rss_mib": round(proc_status("VmHWM"), 1)})
             log(f"  {m}@{grid.ratio:g}: compress {cs * 1000:.0f} ms ({100 * cs / prefill_s:.1f}% of prefill), "
                 f"{cells} cells, decode {dec:.1f} tok/s")
     if not grid.stream:
@@ -232,7 +233,7 @@ def _one(model, label, ct, fa, length, grid: SpeedGrid, Session, METHODS, log) -
                          "compressions": s.compressions, "compress_s": round(s.compress_seconds / ev, 4),
                          "compress_total_s": round(s.compress_seconds, 3),
                          "overhead_pct": round(100 * s.compress_seconds / total, 2),
-                         "decode_tok_s": round(dec, 2), "peak_rss_mib": round(_status("VmHWM"), 1)})
+                         "decode_tok_s": round(dec, 2), "peak_rss_mib": round(proc_status("VmHWM"), 1)})
             log(f"  stream {m} (n_ctx {sess.capacity}): {length / total:.0f} tok/s ingest, {s.compressions} events, "
                 f"{1000 * s.compress_seconds / ev:.0f} ms each ({100 * s.compress_seconds / total:.1f}% of ingest), "
                 f"decode {dec:.1f} tok/s")

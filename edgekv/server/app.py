@@ -77,7 +77,6 @@ class App:
     """Routes over one Store and its Worker."""
 
     def __init__(self, cfg: ServerConfig, *, api_key: str | None = None) -> None:
-        cfg.defaults.check(cfg.n_ctx)
         self.cfg = cfg
         self.api_key = api_key
         self.store = Store(cfg)

@@ -28,7 +28,7 @@ from pathlib import Path
 from ..errors import EdgekvError
 from ..llama import Model
 from ..methods import METHODS, Method, get_method
-from ..session import Event, Session, Stats, check_budget, common_prefix
+from ..session import Event, Session, Stats, check_budget
 
 INDEX = "conversations.json"  # with persist: what each saved conversation is, for the next server
 INDEX_VERSION = 1
@@ -375,12 +375,4 @@ class Store:
         }
 
 
-def budget_rule(settings: Settings) -> str:
-    if settings.budget is not None:
-        return f"budget {settings.budget}"
-    if settings.ratio is not None:
-        return f"ratio {settings.ratio}"
-    return "halve when full" if settings.method != "full" else "no compression"
-
-
-__all__ = ["Conversation", "ServerConfig", "Settings", "Store", "budget_rule", "common_prefix"]
+__all__ = ["Conversation", "ServerConfig", "Settings", "Store"]

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 from ..errors import EdgekvError
 from ..llama import SamplerConfig
-from .conversations import Conversation, Settings, Store, common_prefix
+from ..session import common_prefix
+from .conversations import Conversation, Settings, Store
 
 log = logging.getLogger("edgekv.server")
 
