@@ -37,7 +37,7 @@ TASK = "niah_single"
 
 def _answer(sess: Session, prompt: tasks.Prompt, sample: tasks.Sample) -> tuple[str, float]:
     sess.feed_text(prompt.query, add_special=False)
-    out = runner._generate(sess, sample.max_new_tokens, runner._stop_fn(TASK))
+    out = runner.generate_answer(sess, sample.max_new_tokens, runner.stop_rule(TASK))
     return out.strip()[:24], scoring.score(TASK, out, sample.answers)
 
 

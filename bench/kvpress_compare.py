@@ -94,9 +94,9 @@ def load_hf(gguf: Path, threads: int):
 def cut_like_edgekv(task: str, text: str) -> str:
     """kvpress's answer up to where edgekv's generation would have stopped (its stop rule for
     the task, applied to every prefix), so both are scored on the same span."""
-    from edgekv.bench.runner import _stop_fn
+    from edgekv.bench.runner import stop_rule
 
-    stop = _stop_fn(task)
+    stop = stop_rule(task)
     for i in range(1, len(text) + 1):
         if stop(text[:i]):
             return text[:i]

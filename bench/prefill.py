@@ -6,8 +6,11 @@ GGUF dequantised by transformers (the path kvpress users take; optional, needs
 
 For each prompt length, the implementations take turns (the order rotates every
 round) on the same tokens of real prose; the medians over the rounds are reported.
-edgekv is measured with each ``--chunks`` value (its prefill batch), so the fastest
-can become the default.
+edgekv is measured in each ``--edgekv`` configuration (prefill batch, flash attention),
+so the fastest can become the default, and on the model converted to each of
+``--weights`` (``edgekv models quantize``: opt-in, it changes the weights). After
+each edgekv prefill, ``--decode`` tokens are decoded greedily, so a weight type's
+prefill gain is read next to its decode speed.
 
     .venv/bin/python bench/prefill.py --lengths 1024,4096,8192 --rounds 3
 writes bench/results/prefill.json.
@@ -20,6 +23,8 @@ import statistics
 import sys
 import time
 
+import numpy as np
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -27,7 +32,11 @@ def main() -> None:
     ap.add_argument("--lengths", default="1024,4096,8192")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--chunks", default="256,512", help="edgekv prefill batch sizes to measure")
+    ap.add_argument("--edgekv", default="512:off,512:on,2048:off",
+                    help="edgekv configurations to measure, BATCH:FLASH_ATTN, comma-separated")
+    ap.add_argument("--weights", default="", help="also edgekv (first configuration) on the model converted "
+                    "to these weight types, e.g. q4_0,q8_0,f16")
+    ap.add_argument("--decode", type=int, default=32, help="tokens decoded after each edgekv prefill")
     ap.add_argument("--impls", default="edgekv,llama_cpp,torch")
     ap.add_argument("--out", default="prefill")
     a = ap.parse_args()
@@ -44,18 +53,36 @@ def main() -> None:
     path = resolve_model(a.model)
     model = Model(path)
     lengths = [int(x) for x in a.lengths.split(",")]
-    chunks = [int(x) for x in a.chunks.split(",")]
+    configs = [(int(c), fa) for c, fa in (x.split(":") for x in a.edgekv.split(","))]
     impls = a.impls.split(",")
     tokens = long_text_tokens(model, max(lengths))
 
     runners: dict[str, object] = {}
-    for c in chunks if "edgekv" in impls else []:
-        def run_edgekv(toks: list[int], c: int = c) -> float:
-            with Session(model, method="full", n_ctx=len(toks) + 16, chunk=c, n_threads=a.threads) as s:
+    decode: dict[tuple[str, int], list[float]] = {}  # (runner, tokens) -> decode tok/s per round
+
+    def edgekv_runner(name: str, m: Model, c: int, fa: str):
+        def run(toks: list[int]) -> float:
+            with Session(m, method="full", n_ctx=len(toks) + a.decode + 16, chunk=c, flash_attn=fa,
+                         n_threads=a.threads) as s:
                 t0 = time.perf_counter()
                 s.feed(toks)
-                return time.perf_counter() - t0
-        runners[f"edgekv chunk {c}"] = run_edgekv
+                secs = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                for _ in range(a.decode):
+                    s.feed([int(np.argmax(s.logits()))])
+                decode.setdefault((name, len(toks)), []).append(a.decode / (time.perf_counter() - t0))
+                return secs
+        return run
+
+    for c, fa in configs if "edgekv" in impls else []:
+        name = f"edgekv batch {c}, flash attention {fa}"
+        runners[name] = edgekv_runner(name, model, c, fa)
+    for w in [w for w in a.weights.split(",") if w] if "edgekv" in impls else []:
+        from edgekv.quantize import quantize
+
+        qpath, _ = quantize(path, w)
+        name = f"edgekv, weights converted to {w} (batch {configs[0][0]}, flash attention {configs[0][1]})"
+        runners[name] = edgekv_runner(name, Model(qpath), *configs[0])
     if "llama_cpp" in impls:
         import llama_cpp
 
@@ -108,9 +135,12 @@ def main() -> None:
                 log(f"{n} tokens, round {r + 1}/{a.rounds}: {name} {n / times[name][-1]:.0f} tok/s")
         for name in names:
             med = statistics.median(times[name])
+            dec = decode.get((name, n))
             rows.append({"impl": name, "tokens": n, "seconds": [round(t, 3) for t in times[name]],
-                         "tok_s": round(n / med, 1)})
-            log(f"== {n} tokens: {name} {n / med:.1f} tok/s (median of {a.rounds})")
+                         "tok_s": round(n / med, 1),
+                         "decode_tok_s": round(statistics.median(dec), 1) if dec else None})
+            log(f"== {n} tokens: {name} {n / med:.1f} tok/s (median of {a.rounds})"
+                + (f", then decode {statistics.median(dec):.1f} tok/s" if dec else ""))
     out = write_json(a.out, {"machine": machine(), "command": " ".join(["bench/prefill.py", *sys.argv[1:]]),
                              "model": a.model, "threads": a.threads, "rows": rows})
     log(str(out))

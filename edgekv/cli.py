@@ -544,6 +544,27 @@ def models_pull(name: str) -> None:
         _fail(e)
 
 
+@models_app.command("quantize")
+def models_quantize(
+    model: Annotated[str, typer.Argument(help="GGUF path or registry name.")],
+    type_name: Annotated[str, typer.Option("--type", help="Weight type: q4_0, q8_0 or f16.")] = "q4_0",
+    out: Annotated[Path | None, typer.Option(help="Output file (default: in edgekv's model cache).")] = None,
+) -> None:
+    """Convert a model's weights with llama.cpp's quantiser, for a faster prefill on the CPU
+    (Q4_1 has no fast CPU kernels; Q4_0, Q8_0 and F16 do). Prints the new file's path."""
+    from .models import resolve_model
+    from .quantize import quantize
+
+    try:
+        src = resolve_model(model)
+        _check_writable(out, "--out")
+        dest, secs = quantize(src, type_name, out)
+        what = f"converted in {secs:.1f} s" if secs else "already converted"
+        typer.echo(f"{dest} ({dest.stat().st_size / 2**20:.0f} MiB, {what})")
+    except EdgekvError as e:
+        _fail(e)
+
+
 def main() -> None:  # pragma: no cover
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     app()

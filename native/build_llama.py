@@ -18,6 +18,10 @@ Options:
   baseline of ``bench/patch_overhead.py``).
 - ``--target DIR``: install the wheel into DIR (``pip install --target``)
   instead of this Python.
+- ``EDGEKV_BLAS=1``: ggml's OpenBLAS backend too (needs Debian's
+  ``libopenblas-dev``), for experiments: it took large matrix products and
+  prefilled slower here than the CPU kernels (``bench/RESULTS.md``), so
+  setup does not build it.
 
 Usage: python native/build_llama.py [--cuda] [--cpu native|avx2] [--stock]
                                     [--install | --target DIR] [--print-key]
@@ -55,6 +59,8 @@ BASE_FLAGS = [
     f"-DCMAKE_CXX_FLAGS={AMX_OFF}",
 ]
 CUDA_FLAGS = ["-DGGML_CUDA=ON"]
+# ggml's BLAS backend (OpenBLAS, Debian's libopenblas-dev) takes matrix products of 32+ rows
+BLAS_FLAGS = ["-DGGML_BLAS=ON", "-DGGML_BLAS_VENDOR=OpenBLAS"]
 # ggml's defaults without GGML_NATIVE: AVX, AVX2, BMI2, FMA, F16C on; AVX-512 and AMX off
 CPU_FLAGS = {"native": [], "avx2": ["-DGGML_NATIVE=OFF"]}
 
@@ -88,6 +94,8 @@ def cmake_flags(cuda: bool, cpu: str = "native") -> list[str]:
     flags = list(BASE_FLAGS) + CPU_FLAGS[cpu]
     if cuda:
         flags += CUDA_FLAGS
+    if os.environ.get("EDGEKV_BLAS") == "1":
+        flags += BLAS_FLAGS
     if shutil.which("ccache"):
         flags += ["-DCMAKE_C_COMPILER_LAUNCHER=ccache", "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache"]
     return flags

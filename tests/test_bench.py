@@ -303,6 +303,8 @@ def test_tiny_sweep_end_to_end(smollm2_path, tmp_path) -> None:
     assert modes == {("oneshot", "full"), ("oneshot", "knorm"), ("stream", "knorm")}
     for r in srows:
         assert r["decode_tok_s"] > 0 and r["kv_bytes"] > 0
+    knorm = next(r for r in srows if (r["mode"], r["method"]) == ("oneshot", "knorm"))
+    assert knorm["cells"] == 128 and knorm["fresh_decode_tok_s"] > 0  # the fresh context it is compared with
     md, plots = write_report(tmp_path)
     text = md.read_text()
     assert "| knorm | 0.5 |" in text and "NIAH-1" in text and "PPL" in text and "decode tok/s" in text

@@ -20,7 +20,13 @@ from hypothesis import strategies as st
 from edgekv.errors import BudgetError
 from edgekv.kvcache.engine import KVSnapshot, check_keep
 from edgekv.methods import get_method
-from edgekv.methods.lagkv import LagKV, lag_scores, partition_scores, retained_cells
+from edgekv.methods.lagkv import (
+    LagKV,
+    lag_scores,
+    partition_ranks,
+    partition_scores,
+    retained_cells,
+)
 
 # -- helpers -------------------------------------------------------------------
 
@@ -169,6 +175,23 @@ def test_scores_and_selection_match_loop_implementation(seed: int) -> None:
             got = lag_scores(K[il][S:S + L, h], K[il][S + L:S + 2 * L, h])
             np.testing.assert_allclose(got, loop_scores(Kh, S, L), rtol=1e-12)
     assert keep.shape[2] == retained_cells(T, S, L, k)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_compiled_ranks_equal_the_reference_scores(seed: int) -> None:
+    # the compiled kernel the steps and shrinks run ranks partitions exactly as Eqs. 5-9 in numpy
+    rng = np.random.default_rng(seed)
+    H, q, L, d = 2, 3, 16, 8
+    K = rng.standard_normal(((q + 1) * L, H, d)).astype(np.float32)
+    V = rng.standard_normal(((q + 1) * L, H, d)).astype(np.float32)
+    K[5, 0] = K[6, 0]  # a tie: the earlier token ranks first
+    cells = np.arange((q + 1) * L, dtype=np.int64).reshape(q + 1, L)
+    rank = partition_ranks(K, V, np.ascontiguousarray(np.broadcast_to(cells[:q], (H, q, L))), cells[q])
+    for h in range(H):
+        kb, vb = K[:, h].reshape(q + 1, L, d), V[:, h].reshape(q + 1, L, d)
+        s = lag_scores(kb[:-1], kb[1:]) + lag_scores(vb[:-1], vb[1:])
+        want = np.argsort(np.argsort(-s, axis=-1, kind="stable"), axis=-1, kind="stable")
+        assert np.array_equal(rank[h], want)
 
 
 # -- incremental == one-shot -----------------------------------------------------

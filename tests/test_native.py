@@ -48,8 +48,19 @@ def toks(smollm2) -> list[int]:
     return smollm2.tokenize(TEXT)
 
 
+@pytest.fixture(params=["host", "graph"])
+def op_path(request, monkeypatch) -> str:
+    """The native compaction's two paths: plain byte moves where the cache is in host
+    memory (the CPU default), the ggml graph GPUs run (forced on the CPU)."""
+    if request.param == "graph":
+        monkeypatch.setenv("EDGEKV_GRAPH_OPS", "1")
+    else:
+        monkeypatch.delenv("EDGEKV_GRAPH_OPS", raising=False)
+    return request.param
+
+
 @pytest.mark.parametrize(("ck", "cv", "fa"), CONFIGS, ids=IDS)
-def test_native_and_state_compaction_leave_identical_caches(smollm2, toks, ck, cv, fa) -> None:
+def test_native_and_state_compaction_leave_identical_caches(smollm2, toks, ck, cv, fa, op_path) -> None:
     ctx = _ctx(smollm2, ck, cv, fa)
     state, native = StateEngine(ctx), NativeEngine(ctx)
     L, H = smollm2.arch.n_layer, smollm2.arch.n_head_kv
@@ -65,6 +76,29 @@ def test_native_and_state_compaction_leave_identical_caches(smollm2, toks, ck, c
             logits.append(ctx.logits())
         assert blobs[0] == blobs[1]
         assert np.array_equal(logits[0], logits[1])
+    ctx.close()
+
+
+@pytest.mark.parametrize(("ck", "cv", "fa"), CONFIGS, ids=IDS)
+def test_compaction_in_any_order_is_the_same_on_both_paths(smollm2, toks, ck, cv, fa, monkeypatch) -> None:
+    # edgekv passes increasing cells (the host path then moves them in place); the C op
+    # takes any order, which the host path gathers through a copy: same bytes as the graph
+    ctx = _ctx(smollm2, ck, cv, fa)
+    eng = NativeEngine(ctx)
+    L, H = smollm2.arch.n_layer, smollm2.arch.n_head_kv
+    blobs = []
+    for path in ("host", "graph"):
+        monkeypatch.setenv("EDGEKV_GRAPH_OPS", "1" if path == "graph" else "0")
+        eng.reset()
+        prefill(eng, toks)
+        n, b = eng.n_cells, eng.n_cells // 2
+        rng = np.random.default_rng(5)
+        keep = np.stack([rng.permutation(n)[:b] for _ in range(L * H)]).astype(np.int32)
+        pos = np.arange(b, dtype=np.int32)
+        assert eng.lib.llama_edgekv_seq_compact(eng._c, 0, b, eng.ffi.from_buffer("int32_t[]", keep),
+                                                eng.ffi.from_buffer("int32_t[]", pos)) == 0
+        blobs.append(ctx.state_get())
+    assert blobs[0] == blobs[1]
     ctx.close()
 
 

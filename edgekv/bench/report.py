@@ -210,10 +210,11 @@ def speed_markdown(rows: list[dict]) -> list[str]:
     out.append("Decode tok/s at the given context (greedy, batch 1, the model's own tokens fed back); "
                "`compress s` = one compression event of the whole context (one-shot) or the mean over "
                "streaming events; overhead = compression time / prefill time. Peak RSS is the process "
-               "high-water mark during that measurement.")
+               "high-water mark during that measurement. Fresh context: a new context holding as many cells "
+               "of the same text, decoded in blocks alternating with the compressed one.")
     out.append("")
     head = ["model", "cache", "FA", "context", "mode", "method", "ratio", "prefill tok/s", "decode tok/s",
-            "cells", "KV MiB", "compress s", "events", "overhead %", "peak RSS MiB"]
+            "fresh context tok/s", "cells", "KV MiB", "compress s", "events", "overhead %", "peak RSS MiB"]
     out.append("| " + " | ".join(head) + " |")
     out.append("|" + "|".join(["---"] * 7 + ["---:"] * (len(head) - 7)) + "|")
     for r in sorted(rows, key=lambda r: (r["model"], r["cache_type"], r.get("flash_attn", "on"), r["length"],
@@ -221,7 +222,8 @@ def speed_markdown(rows: list[dict]) -> list[str]:
         out.append("| " + " | ".join([
             r["model"], r["cache_type"], r.get("flash_attn", "on"), str(r["length"]), r["mode"], r["method"],
             "–" if not r["ratio"] else f"{r['ratio']:g}",
-            _fmt(r.get("prefill_tok_s"), 0), _fmt(r.get("decode_tok_s"), 1), str(r.get("cells", "–")),
+            _fmt(r.get("prefill_tok_s"), 0), _fmt(r.get("decode_tok_s"), 1), _fmt(r.get("fresh_decode_tok_s"), 1),
+            str(r.get("cells", "–")),
             _fmt(r.get("kv_bytes", 0) / 2**20, 2), _fmt(r.get("compress_s"), 3), str(r.get("compressions", "–")),
             _fmt(r.get("overhead_pct"), 1), _fmt(r.get("peak_rss_mib"), 0),
         ]) + " |")

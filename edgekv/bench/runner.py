@@ -145,13 +145,15 @@ def _evals(methods: list[str], ratios: list[float]) -> list[tuple[str, float]]:
     return out
 
 
-def _stop_fn(task: str) -> Callable[[str], bool]:
+def stop_rule(task: str) -> Callable[[str], bool]:
+    """When an answer is complete: a number and what follows it, or a new line (single answers)."""
     if task in SINGLE_ANSWER or task == "multiturn":
         return lambda s: re.search(r"\d+\D", s) is not None or ("\n" in s.strip())
     return lambda s: False
 
 
-def _generate(sess, max_new: int, stop: Callable[[str], bool]) -> str:
+def generate_answer(sess, max_new: int, stop: Callable[[str], bool]) -> str:
+    """Greedy tokens until ``stop`` says the answer is complete (or ``max_new``), as text."""
     import codecs
 
     dec = codecs.getincrementaldecoder("utf-8")("replace")
@@ -220,7 +222,7 @@ def _answer(sess, prep: Prepared, target: int | None = None) -> dict:
         return {**row, "gen_s": round(time.perf_counter() - t0, 3)}
     s = prep.sample
     sess.feed_text(prep.prompt.query, add_special=False)
-    out = _generate(sess, s.max_new_tokens, _stop_fn(s.task))
+    out = generate_answer(sess, s.max_new_tokens, stop_rule(s.task))
     if s.task != "multiturn":
         return {"score": scoring.score(s.task, out, s.answers), "output": out.strip()[:200],
                 "answers": list(s.answers), "gen_s": round(time.perf_counter() - t0, 3)}
@@ -231,7 +233,7 @@ def _answer(sess, prep: Prepared, target: int | None = None) -> dict:
         if target is not None and sess.engine.n_cells > target:
             sess.compress(target)
         sess.feed_text(turn.query if prep.query_aware else turn.context + turn.query, add_special=False)
-        outs.append(_generate(sess, s.max_new_tokens, _stop_fn("niah_single")))
+        outs.append(generate_answer(sess, s.max_new_tokens, stop_rule("niah_single")))
     per_turn = [scoring.score("niah_single", o, (a,)) for o, a in zip(outs, s.answers, strict=True)]
     return {"score": sum(per_turn) / len(per_turn), "turn_scores": per_turn, "output": [o.strip()[:80] for o in outs],
             "answers": list(s.answers), "gen_s": round(time.perf_counter() - t0, 3)}

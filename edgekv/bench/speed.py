@@ -7,7 +7,9 @@ For each (model, cache type, context length):
 - ``oneshot``: prefill ``length`` tokens of real text once (full cache), decode
   ``decode_tokens`` greedily on the full cache; then, for each method, restore
   the prefill, compress once to ``(1 - ratio)`` of the cells (one timed event),
-  and decode the same number of tokens on the compressed cache.
+  and decode the same number of tokens on the compressed cache, in blocks that
+  alternate with a fresh context holding as many cells of the same text
+  (``fresh_decode_tok_s``): a compressed cache should decode as fast as one.
 - ``stream`` (``--stream``): a bounded session, ``budget = (1 - ratio) x
   length`` cells, ingests the same text in 256-token chunks, compressing
   whenever the cache fills (llama.cpp's context shift runs with n_ctx = that
@@ -59,7 +61,8 @@ def proc_status(field_name: str, pid: int | str = "self") -> float:
     return float("nan")
 
 
-def _reset_peak() -> None:
+def reset_peak_rss() -> None:
+    """Reset the process's peak RSS (VmHWM), so a later reading is this measurement's."""
     try:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
@@ -98,6 +101,16 @@ def _decode(sess, n: int) -> float:
         tok = int(np.argmax(sess.logits()))
         sess.feed([tok])
     return n / (time.perf_counter() - t0)
+
+
+def _decode_pair(a, b, n: int, block: int = 8) -> tuple[float, float]:
+    """Greedy decode of n tokens on each of two sessions in alternating blocks; tok/s of each."""
+    ta = tb = 0.0
+    for i in range(0, n, block):
+        k = min(block, n - i)
+        ta += k / _decode(a, k)
+        tb += k / _decode(b, k)
+    return n / ta, n / tb
 
 
 def _replace(path: Path, rows: list[dict], key: Callable[[dict], tuple]) -> None:
@@ -159,6 +172,15 @@ def run_speed(grid: SpeedGrid, log: Callable[[str], None] | None = None) -> Path
     return path
 
 
+def _fresh(model, toks: list[int], grid: SpeedGrid, ct: str, fa: str, Session) -> tuple:
+    """A new context prefilled with ``toks`` and saved: the baseline a compressed cache of
+    as many cells is compared with."""
+    sess = Session(model, method="full", n_ctx=len(toks) + grid.decode_tokens + 16, chunk=512, cache_type_k=ct,
+                   cache_type_v=ct, flash_attn=fa, n_threads=grid.threads)
+    sess.feed(toks)
+    return sess, sess.save(), len(toks)
+
+
 def _one(model, label, ct, fa, length, grid: SpeedGrid, Session, METHODS, log) -> list[dict]:
     from . import protocol
 
@@ -173,7 +195,7 @@ def _one(model, label, ct, fa, length, grid: SpeedGrid, Session, METHODS, log) -
     observe = max((METHODS[m]().queries_needed for m in grid.methods), default=0)
     with Session(model, method="full", n_ctx=n_ctx, chunk=512, cache_type_k=ct, cache_type_v=ct,
                  flash_attn=fa, n_threads=grid.threads, observe=observe) as sess:
-        _reset_peak()
+        reset_peak_rss()
         pre = protocol.prefill(sess, toks)
         prefill_s, n_prompt = pre.seconds, pre.n_cells
         per_cell = sess.stats.kv_bytes_per_cell
@@ -184,11 +206,12 @@ def _one(model, label, ct, fa, length, grid: SpeedGrid, Session, METHODS, log) -
                      "peak_rss_mib": round(proc_status("VmHWM"), 1)})
         log(f"{label} {ct} fa={fa} {length}: prefill {length / prefill_s:.0f} tok/s, full-cache decode {dec:.1f} tok/s, "
             f"KV {n_prompt * per_cell / 2**20:.1f} MiB")
+        fresh = None  # (session, its saved state, cells): a context that only ever held that many cells
         for m in grid.methods:
             cls = METHODS[m]
             if not cls.compresses or getattr(cls, "shifts_positions", False) or cls.tallies:
                 continue
-            _reset_peak()
+            reset_peak_rss()
             try:
                 cs = protocol.compress_once(sess, pre, m, ratio=grid.ratio)
             except EdgekvError as e:
@@ -196,13 +219,23 @@ def _one(model, label, ct, fa, length, grid: SpeedGrid, Session, METHODS, log) -
                 continue
             cells = sess.engine.n_cells
             sess.feed([toks[-1]])  # logits to continue from (a restore drops them)
-            dec = _decode(sess, grid.decode_tokens)
+            if fresh is None or fresh[2] != cells:
+                if fresh:
+                    fresh[0].close()
+                fresh = _fresh(model, toks[:cells], grid, ct, fa, Session)
+            fresh[0].restore(fresh[1])
+            fresh[0].feed([toks[cells]])
+            dec, dec_fresh = _decode_pair(sess, fresh[0], grid.decode_tokens)
             rows.append({**base, "mode": "oneshot", "method": m, "ratio": grid.ratio, "cells": cells,
                          "kv_bytes": cells * per_cell, "compress_s": round(cs, 4), "compressions": 1,
                          "overhead_pct": round(100 * cs / prefill_s, 2), "decode_tok_s": round(dec, 2),
-                         "prefill_s": round(prefill_s, 3), "peak_rss_mib": round(proc_status("VmHWM"), 1)})
+                         "fresh_decode_tok_s": round(dec_fresh, 2), "prefill_s": round(prefill_s, 3),
+                         "peak_rss_mib": round(proc_status("VmHWM"), 1)})
             log(f"  {m}@{grid.ratio:g}: compress {cs * 1000:.0f} ms ({100 * cs / prefill_s:.1f}% of prefill), "
-                f"{cells} cells, decode {dec:.1f} tok/s")
+                f"{cells} cells, decode {dec:.1f} tok/s (a fresh {cells}-cell context, alternating: "
+                f"{dec_fresh:.1f})")
+        if fresh:
+            fresh[0].close()
     if not grid.stream:
         return rows
     budget = max(64, math.floor(length * (1 - grid.ratio)))
@@ -219,7 +252,7 @@ def _one(model, label, ct, fa, length, grid: SpeedGrid, Session, METHODS, log) -
             log(f"  stream {m}: {e}")
             continue
         with sess:
-            _reset_peak()
+            reset_peak_rss()
             t0 = time.perf_counter()
             sess.feed(toks)
             total = time.perf_counter() - t0

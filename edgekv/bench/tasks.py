@@ -248,6 +248,13 @@ def _multiturn(n_tokens: int, seed: int, index: int, count: Counter, turns: int 
                   {"keys": order, "questions": questions, "prefixes": prefixes, "depths": depths})
 
 
+def long_document(n_tokens: int, seed: int, needles: int, count: Counter) -> Sample:
+    """One long document with ``needles`` keyed needles at random depths, each asked on
+    its own (``meta``: questions, prefixes, depths): the long-document benchmark's task,
+    the multi-turn task's haystack with more needles."""
+    return _multiturn(n_tokens, seed, 0, count, turns=needles)
+
+
 def _var_name(rng: random.Random, taken: set[str]) -> str:
     while True:
         v = "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5))

@@ -208,14 +208,21 @@ class NativeEngine:
         H, dk, dv = self.n_kv_head, self.head_dim_k, self.head_dim_v
         gen = self._gen
 
+        in_order = bool(np.all(order == np.arange(n)))  # cells already in position order (the usual case)
+
+        def cells_major(x: np.ndarray, rot: int) -> np.ndarray:
+            """[H, n, d] in cell order -> [n, H, d] in position order, unrotated (a view where it can)."""
+            x = (x if in_order else x[:, order]).transpose(1, 0, 2)
+            if not rot:
+                return x
+            d = x.shape[2]
+            return _unrotate(x.reshape(n, H * d), rot).reshape(n, H, d)
+
         def read(layer: int, values: bool) -> tuple[np.ndarray, np.ndarray | None]:
             if self._gen != gen:
                 raise EdgekvError("the cache changed since this snapshot was taken; take a new one")
             k, v = self.read(layer, cell_order=True, values=values)
-            k = _unrotate(k[:, order].transpose(1, 0, 2).reshape(n, H * dk), k_rot).reshape(n, H, dk)
-            if v is not None:
-                v = _unrotate(v[:, order].transpose(1, 0, 2).reshape(n, H * dv), v_rot).reshape(n, H, dv)
-            return k, v
+            return cells_major(k, k_rot), None if v is None else cells_major(v, v_rot)
 
         def score(q: np.ndarray, q_pos: np.ndarray, layer: int) -> np.ndarray:
             if self._gen != gen:

@@ -113,6 +113,81 @@ def _channel_std(cur, mn, inv, ddof):  # pragma: no cover - compiled
     return out
 
 
+@njit(cache=True)
+def _member_scores(z, h, members, count, ref, n_ref, ddof):  # pragma: no cover - compiled
+    """Eqs. 5-8 for one partition of one head: the softmax over its ``count`` members
+    (cells ``members``) of their channel std, normalised by the per-channel min and max
+    over the ``n_ref`` reference cells ``ref``; no reference: uniform. z [n, H, d]."""
+    d = z.shape[2]
+    sd = np.zeros(count)
+    if n_ref > 0:
+        mn = np.empty(d)
+        inv = np.empty(d)
+        for c in range(d):
+            lo = np.inf
+            hi = -np.inf
+            for r in range(n_ref):
+                x = np.float64(z[ref[r], h, c])
+                lo = min(lo, x)
+                hi = max(hi, x)
+            mn[c] = lo
+            inv[c] = 1.0 / max(hi - lo, EPS)
+        zz = np.empty(d)
+        for i in range(count):
+            m = 0.0
+            for c in range(d):
+                zz[c] = (z[members[i], h, c] - mn[c]) * inv[c]
+                m += zz[c]
+            m /= d
+            v = 0.0
+            for c in range(d):
+                v += (zz[c] - m) * (zz[c] - m)
+            sd[i] = np.sqrt(v / (d - ddof))
+            if np.isnan(sd[i]):
+                sd[i] = -np.inf  # only from non-finite K/V: rank lowest
+    top = -np.inf
+    for i in range(count):
+        top = max(top, sd[i])
+    if not np.isfinite(top):
+        top = 0.0
+    e = np.exp(sd - top)
+    tot = e.sum()
+    return e / tot if tot > 0 else np.zeros(count)
+
+
+@njit(cache=True)
+def partition_ranks(k, v, members, last):  # pragma: no cover - compiled
+    """Rank (0 = best, ties to the earlier token) of every member of every compressed
+    partition of one layer by the LagKV scores of K plus V, each partition against the
+    members of the next one and the last against the cells ``last``. members [H, f, W]
+    (cells, -1 padding) -> ranks [H, f, W], -1 padding."""
+    n_head, f, width = members.shape
+    ddof = 1 if k.shape[2] > 1 else 0
+    ddof_v = 1 if v.shape[2] > 1 else 0
+    out = np.full((n_head, f, width), -1, dtype=np.int64)
+    for h in range(n_head):
+        for p in range(f):
+            count = 0
+            while count < width and members[h, p, count] >= 0:
+                count += 1
+            if count == 0:
+                continue
+            if p + 1 < f:
+                ref = members[h, p + 1]
+                n_ref = 0
+                while n_ref < width and ref[n_ref] >= 0:
+                    n_ref += 1
+            else:
+                ref = last
+                n_ref = last.shape[0]
+            s = (_member_scores(k, h, members[h, p], count, ref, n_ref, ddof)
+                 + _member_scores(v, h, members[h, p], count, ref, n_ref, ddof_v))
+            order = np.argsort(-s, kind="mergesort")
+            for r in range(count):
+                out[h, p, order[r]] = r
+    return out
+
+
 def _ref_range(ref: np.ndarray, mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Eqs. 5-6: per-channel min and max over the reference tokens (axis -2), float64.
 
@@ -256,16 +331,15 @@ class LagKV(Method):
         if q <= 0:
             return np.broadcast_to(np.arange(n), (n_layer, n_head, n)).copy(), f
         c0 = n - (T - (S + f * L))  # cell of position S + fL (same in every head: intact tail)
-        span = slice(c0, c0 + (q + 1) * L)
+        # partition p holds cells c0 + pL .. c0 + pL + L - 1 in every head; the last is scored
+        # against partition q, the first uncompressed one
+        cells = c0 + np.arange((q + 1) * L, dtype=np.int64).reshape(q + 1, L)
+        members = np.ascontiguousarray(np.broadcast_to(cells[:q], (n_head, q, L)))
         sel = np.empty((n_layer, n_head, q, k), dtype=np.int64)
-        off = c0 + L * np.arange(q)[:, None]
         for layer in range(n_layer):
-            s = 0.0
-            for z in (snap.keys(layer)[span], snap.values(layer)[span]):
-                blocks = z.reshape(q + 1, L, n_head, -1).transpose(2, 0, 1, 3)  # [H, q+1, L, d]
-                s = s + lag_scores(blocks[:, :-1], blocks[:, 1:])
-            top = np.argsort(-s, axis=-1, kind="stable")[..., :k]  # ties: earlier token
-            sel[layer] = np.sort(top, axis=-1) + off
+            rank = partition_ranks(snap.keys(layer), snap.values(layer), members, cells[q])
+            # the top k of each partition (ties: the earlier token), in token order
+            sel[layer] = np.sort(np.argsort(rank, axis=-1, kind="stable")[..., :k], axis=-1) + cells[:q, :1]
         head = np.broadcast_to(np.arange(c0), (n_layer, n_head, c0))
         tail = np.broadcast_to(np.arange(c0 + q * L, n), (n_layer, n_head, n - c0 - q * L))
         return np.concatenate([head, sel.reshape(n_layer, n_head, q * k), tail], axis=2), f + q
@@ -288,29 +362,12 @@ class LagKV(Method):
         last = slice(n - (T - p0), n - (T - min(T, p0 + L)))
         rho = np.full(tp.shape, -1, dtype=np.int64)
         for layer in range(n_layer):
+            members = np.full((n_head, f, width), -1, dtype=np.int64)  # cells of each partition, in order
             hh, jj = np.nonzero(g[layer] >= 0)
-            gg, pp = g[layer][hh, jj], pos_in[layer][hh, jj]
-            cells = keep[layer][hh, jj]
-            mask = np.zeros((n_head, f, width), dtype=bool)
-            mask[hh, gg, pp] = True
-            s = 0.0
-            for z in (snap.keys(layer), snap.values(layer)):
-                pad = np.zeros((n_head, f, width, z.shape[2]), dtype=z.dtype)
-                pad[hh, gg, pp] = z[cells, hh]
-                mn, mx = _ref_range(pad[:, 1:], mask[:, 1:])  # [H, f-1, d]
-                ref = z[keep[layer][0, last]].transpose(1, 0, 2)  # [H, <=L, d]
-                if ref.shape[1]:
-                    mn_f, mx_f = _ref_range(ref)
-                else:
-                    mn_f = mx_f = np.full((n_head, z.shape[2]), np.nan)
-                mn = np.concatenate([mn, mn_f[:, None]], axis=1)
-                mx = np.concatenate([mx, mx_f[:, None]], axis=1)
-                s = s + _scores(pad, mn, mx, mask)
-            s = np.where(mask, s, -np.inf)
-            order = np.argsort(-s, axis=-1, kind="stable")
-            rank = np.empty_like(order)
-            np.put_along_axis(rank, order, np.broadcast_to(np.arange(width), order.shape), axis=-1)
-            rho[layer][hh, jj] = rank[hh, gg, pp]
+            members[hh, g[layer][hh, jj], pos_in[layer][hh, jj]] = keep[layer][hh, jj]
+            rank = partition_ranks(snap.keys(layer), snap.values(layer), members,
+                                 np.ascontiguousarray(keep[layer][0, last], dtype=np.int64))
+            rho[layer][hh, jj] = rank[hh, g[layer][hh, jj], pos_in[layer][hh, jj]]
         return rho
 
     def _shrink(self, snap: KVSnapshot, keep: np.ndarray, tp: np.ndarray, f: int, T: int,

@@ -1,0 +1,178 @@
+#!/usr/bin/env python3
+"""A long document through a small cache: one document with keyed needles at
+several depths, ingested once per method through a ``--budget``-cell cache
+(compressing whenever the next chunk does not fit, as ``edgekv generate``
+does), then one question per needle, each from the state right after the
+document (save/restore). Next to it: llama.cpp's context shift with the same
+cells, and the full cache where it fits in RAM (``--full``).
+
+Per method: ingest wall time and tok/s, peak RSS (the process's high-water
+mark, reset before each ingest), KV MiB, compressions; per needle: its depth
+and whether the answer holds the number.
+
+Resumable: rows go to ``bench/results/long_document/results.jsonl`` as they
+are measured, and each method's cache after the document is kept as an edgekv
+session file under ``~/.cache/edgekv/long_document/``, so a stopped run asks
+the remaining questions without ingesting again.
+
+    .venv/bin/python bench/long_document.py --model smollm2-135m --tokens 32768 --budget 2048
+    .venv/bin/python bench/long_document.py --model qwen2.5-coder-0.5b --tokens 32768 --budget 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from edgekv.bench.results import RESULTS
+
+OUT = RESULTS / "long_document"
+METHODS = "streaming_llm,knorm,lagkv,snapkv,chunkkv,h2o,chelsea,context_shift"
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def load_rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--tokens", type=int, default=32768, help="document length in tokens")
+    ap.add_argument("--budget", type=int, default=2048, help="cells the compressed cache keeps")
+    ap.add_argument("--needles", type=int, default=8)
+    ap.add_argument("--methods", default=METHODS)
+    ap.add_argument("--full", action="store_true", help="also the full cache (n_ctx = the document)")
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=OUT)
+    a = ap.parse_args()
+
+    from edgekv.bench import tasks
+    from edgekv.bench.results import machine
+    from edgekv.bench.runner import generate_answer, model_label, stop_rule
+    from edgekv.bench.scoring import score
+    from edgekv.bench.speed import proc_status, reset_peak_rss
+    from edgekv.llama import Model
+    from edgekv.models import edgekv_home, resolve_model
+    from edgekv.session import Session
+
+    path = resolve_model(a.model)
+    model = Model(path)
+    label = model_label(a.model, path)
+    a.out.mkdir(parents=True, exist_ok=True)
+    rows_path = a.out / "results.jsonl"
+    states = edgekv_home() / "long_document"
+    states.mkdir(parents=True, exist_ok=True)
+
+    count = lambda s: len(model.tokenize(s, add_special=False))  # noqa: E731
+    log(f"{label}: building a {a.tokens}-token document with {a.needles} needles")
+    sample = tasks.long_document(a.tokens, a.seed, a.needles, count)
+    before, after = tasks.chat_frame(model)
+    context = before + sample.intro + sample.context
+    ctx_tokens = model.tokenize(context, add_special=True)
+    keys, questions, prefixes = sample.meta["keys"], sample.meta["questions"], sample.meta["prefixes"]
+    depth = {k: round(sample.context.index(f"for {k} is:") / len(sample.context), 3) for k in keys}
+    base = {"model": label, "tokens": a.tokens, "document_tokens": len(ctx_tokens), "budget": a.budget,
+            "needles": a.needles, "seed": a.seed}
+
+    def same(r: dict) -> bool:
+        return all(r.get(k) == v for k, v in base.items())
+
+    methods = a.methods.split(",") + (["full"] if a.full else [])
+    for m in methods:
+        done = {r["needle"] for r in load_rows(rows_path) if same(r) and r["method"] == m and r["kind"] == "needle"}
+        if len(done) == a.needles:
+            log(f"{m}: done")
+            continue
+        if m == "full":
+            kw = {"n_ctx": len(ctx_tokens) + 256}
+        elif m == "context_shift":
+            kw = {"n_ctx": a.budget}
+        else:
+            kw = {"budget": a.budget, "n_ctx": a.budget + a.chunk}
+        state = states / f"{label}-{m}-{a.tokens}-{a.budget}-{a.needles}-{a.seed}.edgekv"
+        with Session(model, method=m, chunk=a.chunk, n_threads=a.threads, **kw) as sess:
+            ingest = [r for r in load_rows(rows_path) if same(r) and r["method"] == m and r["kind"] == "ingest"]
+            if ingest and state.exists():
+                sess.load_file(state)
+                log(f"{m}: resumed from {state}")
+            else:
+                reset_peak_rss()
+                t0 = time.perf_counter()
+                last = [t0]
+
+                def progress(n: int, total: int, m: str = m, t0: float = t0, last: list = last) -> None:
+                    now = time.perf_counter()
+                    if now - last[0] > 30 or n == total:
+                        last[0] = now
+                        log(f"{m}: {n}/{total} tokens, {n / (now - t0):.0f} tok/s, {sess.engine.n_cells} cells")
+                sess.feed(ctx_tokens, progress)
+                secs = time.perf_counter() - t0
+                st = sess.stats
+                row = {**base, "kind": "ingest", "method": m, "n_ctx": sess.capacity, "ingest_s": round(secs, 2),
+                       "ingest_tok_s": round(len(ctx_tokens) / secs, 1), "peak_rss_mib": round(proc_status("VmHWM"), 1),
+                       "cells": st.cells, "kv_mib": round(st.cells * st.kv_bytes_per_cell / 2**20, 2),
+                       "kv_allocated_mib": round(sess.capacity * st.kv_bytes_per_cell / 2**20, 2),
+                       "compressions": st.compressions, "compress_s": round(st.compress_seconds, 2),
+                       "machine": machine()}
+                with open(rows_path, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(row) + "\n")
+                log(f"{m}: ingested in {secs:.0f} s ({row['ingest_tok_s']} tok/s), {st.cells} cells, "
+                    f"{st.compressions} compressions, peak RSS {row['peak_rss_mib']} MiB")
+                sess.save_file(state)
+            saved = sess.save()
+            for i, (k, q, p) in enumerate(zip(keys, questions, prefixes, strict=True)):
+                if i in done:
+                    continue
+                sess.restore(saved)
+                t0 = time.perf_counter()
+                sess.feed_text(f"\n\n{q}{after}{p}", add_special=False)
+                out = generate_answer(sess, sample.max_new_tokens, stop_rule("niah_single"))
+                answer = sample.answers[i]
+                row = {**base, "kind": "needle", "method": m, "needle": i, "key": k, "depth": depth[k],
+                       "answer": answer, "output": out.strip()[:80], "score": score("niah_single", out, (answer,)),
+                       "answer_s": round(time.perf_counter() - t0, 2)}
+                with open(rows_path, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(row) + "\n")
+                log(f"{m}: needle {i} at depth {depth[k]:.2f}: {row['score']:.0f} ({out.strip()[:40]!r})")
+    report(load_rows(rows_path), a.out / "report.md")
+
+
+def report(rows: list[dict], path: Path) -> None:
+    """One table per (model, document, budget): ingest and accuracy per method."""
+    lines = ["# A long document through a small cache", "",
+             "Command: `.venv/bin/python bench/long_document.py` (see its docstring). Accuracy = needles "
+             "whose number the answer holds; depth = where the needle sits in the document (0 = start).", ""]
+    groups = sorted({(r["model"], r["tokens"], r["budget"], r["needles"], r["seed"]) for r in rows})
+    for g in groups:
+        rs = [r for r in rows if (r["model"], r["tokens"], r["budget"], r["needles"], r["seed"]) == g]
+        lines += [f"## {g[0]}, {g[1]}-token document, {g[2]}-cell budget, {g[3]} needles", "",
+                  "| method | ingest s | tok/s | peak RSS MiB | KV MiB (allocated) | compressions | accuracy % "
+                  "| found at depths |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+        for m in dict.fromkeys(r["method"] for r in rs):
+            ing = next((r for r in rs if r["method"] == m and r["kind"] == "ingest"), None)
+            nd = sorted((r for r in rs if r["method"] == m and r["kind"] == "needle"), key=lambda r: r["depth"])
+            if ing is None or not nd:
+                continue
+            acc = 100 * sum(r["score"] for r in nd) / len(nd)
+            found = ", ".join(f"{r['depth']:.2f}" for r in nd if r["score"] > 0) or "none"
+            lines.append(f"| {m} | {ing['ingest_s']:.0f} | {ing['ingest_tok_s']:.0f} | {ing['peak_rss_mib']:.0f} "
+                         f"| {ing['kv_mib']:.1f} ({ing['kv_allocated_mib']:.1f}) | {ing['compressions']} "
+                         f"| {acc:.0f} ({len(nd)} needles) | {found} |")
+        lines.append("")
+    path.write_text("\n".join(lines))
+    log(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
