@@ -125,11 +125,11 @@ def main() -> None:
                        "kv_allocated_mib": round(sess.capacity * st.kv_bytes_per_cell / 2**20, 2),
                        "compressions": st.compressions, "compress_s": round(st.compress_seconds, 2),
                        "machine": machine()}
+                sess.save_file(state)  # before the row: a row always has its saved cache
                 with open(rows_path, "a", encoding="utf-8") as f:
                     f.write(json.dumps(row) + "\n")
                 log(f"{m}: ingested in {secs:.0f} s ({row['ingest_tok_s']} tok/s), {st.cells} cells, "
                     f"{st.compressions} compressions, peak RSS {row['peak_rss_mib']} MiB")
-                sess.save_file(state)
             saved = sess.save()
             for i, (k, q, p) in enumerate(zip(keys, questions, prefixes, strict=True)):
                 if i in done:
@@ -160,7 +160,7 @@ def report(rows: list[dict], path: Path) -> None:
                   "| method | ingest s | tok/s | peak RSS MiB | KV MiB (allocated) | compressions | accuracy % "
                   "| found at depths |", "|---|---:|---:|---:|---:|---:|---:|---|"]
         for m in dict.fromkeys(r["method"] for r in rs):
-            ing = next((r for r in rs if r["method"] == m and r["kind"] == "ingest"), None)
+            ing = next((r for r in reversed(rs) if r["method"] == m and r["kind"] == "ingest"), None)  # the latest
             nd = sorted((r for r in rs if r["method"] == m and r["kind"] == "needle"), key=lambda r: r["depth"])
             if ing is None or not nd:
                 continue

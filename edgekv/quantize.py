@@ -12,6 +12,7 @@ new file next to edgekv's model cache and prints its path.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import time
 from pathlib import Path
@@ -24,14 +25,18 @@ TYPES = {"q4_0": 2, "q8_0": 7, "f16": 1}
 
 
 def quantized_path(src: Path, type_name: str) -> Path:
-    """Where ``quantize`` writes ``src`` converted to ``type_name``."""
-    return models_dir() / "quantized" / f"{src.stem}.{type_name}.gguf"
+    """Where ``quantize`` writes ``src`` converted to ``type_name`` by default: keyed by the
+    source's path, size and time, so another file of the same name never collides."""
+    st = src.stat()
+    key = hashlib.sha256(f"{src.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:8]
+    return models_dir() / "quantized" / f"{src.stem}.{key}.{type_name}.gguf"
 
 
 def quantize(src: str | os.PathLike[str], type_name: str, dest: Path | None = None,
              threads: int | None = None) -> tuple[Path, float]:
-    """Convert ``src`` (any GGUF llama.cpp loads) to ``type_name`` weights; returns the new
-    file and the seconds it took (0 when an up-to-date conversion exists). Tensors that
+    """Convert ``src`` (any GGUF llama.cpp loads) to ``type_name`` weights into ``dest`` (default:
+    edgekv's cache); returns the new file and the seconds it took (0 when the cache already
+    holds this conversion; an explicit ``dest`` is always written). Tensors that
     llama.cpp keeps in higher precision (norms, some embeddings) stay as they are."""
     from .llama import last_log_error, lib
 
@@ -39,12 +44,14 @@ def quantize(src: str | os.PathLike[str], type_name: str, dest: Path | None = No
         raise ModelError(f"unknown weight type {type_name!r}; choose one of {', '.join(TYPES)}")
     src = Path(src)
     validate_gguf(src)
-    dest = Path(dest) if dest is not None else quantized_path(src, type_name)
+    if dest is None:  # the cache: an earlier conversion of this very file is reused
+        dest = quantized_path(src, type_name)
+        if dest.exists():
+            validate_gguf(dest)
+            return dest, 0.0
+    dest = Path(dest)
     if dest.resolve() == src.resolve():
         raise ModelError("the converted file would overwrite its source; pass another --out")
-    if dest.exists() and dest.stat().st_mtime >= src.stat().st_mtime:
-        validate_gguf(dest)
-        return dest, 0.0
     dest.parent.mkdir(parents=True, exist_ok=True)
     L = lib()
     p = L.llama_model_quantize_default_params()

@@ -184,7 +184,7 @@ def test_compiled_ranks_equal_the_reference_scores(seed: int) -> None:
     H, q, L, d = 2, 3, 16, 8
     K = rng.standard_normal(((q + 1) * L, H, d)).astype(np.float32)
     V = rng.standard_normal(((q + 1) * L, H, d)).astype(np.float32)
-    K[5, 0] = K[6, 0]  # a tie: the earlier token ranks first
+    K[5, 0], V[5, 0] = K[6, 0], V[6, 0]  # a tie: the earlier token ranks first
     cells = np.arange((q + 1) * L, dtype=np.int64).reshape(q + 1, L)
     rank = partition_ranks(K, V, np.ascontiguousarray(np.broadcast_to(cells[:q], (H, q, L))), cells[q])
     for h in range(H):

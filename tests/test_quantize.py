@@ -21,15 +21,19 @@ def _types(path) -> Counter:
 
 
 @pytest.mark.parametrize("type_name", ["q4_0", "q8_0"])
-def test_quantize_converts_the_matrices_and_the_model_answers(smollm2_path, tmp_path, type_name) -> None:
+def test_quantize_converts_the_matrices_and_the_model_answers(smollm2_path, tmp_path, monkeypatch,
+                                                              type_name) -> None:
+    monkeypatch.setenv("EDGEKV_HOME", str(tmp_path))  # the conversion cache
     src = _types(smollm2_path)
     assert src["Q4_1"] > 100  # the default model's matrices
-    dest, secs = quantize(smollm2_path, type_name, tmp_path / f"m.{type_name}.gguf", threads=2)
-    assert secs > 0
+    dest, secs = quantize(smollm2_path, type_name, threads=2)
+    assert secs > 0 and dest.is_relative_to(tmp_path) and dest.name.endswith(f".{type_name}.gguf")
     got = _types(dest)
     assert got["Q4_1"] == 0 and got[type_name.upper()] >= src["Q4_1"]
     assert got["F32"] == src["F32"]  # norms stay float
-    assert quantize(smollm2_path, type_name, dest)[1] == 0.0  # up to date: reused
+    assert quantize(smollm2_path, type_name) == (dest, 0.0)  # this conversion is cached: reused
+    again, secs = quantize(smollm2_path, type_name, tmp_path / "explicit.gguf")
+    assert secs > 0 and again.read_bytes() == dest.read_bytes()  # an explicit --out is always written
     model = Model(dest)
     try:
         with Session(model, method="knorm", budget=96, n_ctx=160, n_threads=2) as s:

@@ -105,6 +105,8 @@ def _decode(sess, n: int) -> float:
 
 def _decode_pair(a, b, n: int, block: int = 8) -> tuple[float, float]:
     """Greedy decode of n tokens on each of two sessions in alternating blocks; tok/s of each."""
+    if n <= 0:
+        return 0.0, 0.0
     ta = tb = 0.0
     for i in range(0, n, block):
         k = min(block, n - i)
@@ -172,11 +174,11 @@ def run_speed(grid: SpeedGrid, log: Callable[[str], None] | None = None) -> Path
     return path
 
 
-def _fresh(model, toks: list[int], grid: SpeedGrid, ct: str, fa: str, Session) -> tuple:
+def _fresh(model, toks: list[int], grid: SpeedGrid, ct: str, fa: str, Session, observe: int) -> tuple:
     """A new context prefilled with ``toks`` and saved: the baseline a compressed cache of
-    as many cells is compared with."""
+    as many cells is compared with (recording the same queries while it decodes)."""
     sess = Session(model, method="full", n_ctx=len(toks) + grid.decode_tokens + 16, chunk=512, cache_type_k=ct,
-                   cache_type_v=ct, flash_attn=fa, n_threads=grid.threads)
+                   cache_type_v=ct, flash_attn=fa, n_threads=grid.threads, observe=observe)
     sess.feed(toks)
     return sess, sess.save(), len(toks)
 
@@ -218,11 +220,12 @@ def _one(model, label, ct, fa, length, grid: SpeedGrid, Session, METHODS, log) -
                 log(f"  {m}: {e}")
                 continue
             cells = sess.engine.n_cells
+            peak = proc_status("VmHWM")  # this compression's, before a fresh context is made
             sess.feed([toks[-1]])  # logits to continue from (a restore drops them)
             if fresh is None or fresh[2] != cells:
                 if fresh:
                     fresh[0].close()
-                fresh = _fresh(model, toks[:cells], grid, ct, fa, Session)
+                fresh = _fresh(model, toks[:cells], grid, ct, fa, Session, observe)
             fresh[0].restore(fresh[1])
             fresh[0].feed([toks[cells]])
             dec, dec_fresh = _decode_pair(sess, fresh[0], grid.decode_tokens)
@@ -230,7 +233,7 @@ def _one(model, label, ct, fa, length, grid: SpeedGrid, Session, METHODS, log) -
                          "kv_bytes": cells * per_cell, "compress_s": round(cs, 4), "compressions": 1,
                          "overhead_pct": round(100 * cs / prefill_s, 2), "decode_tok_s": round(dec, 2),
                          "fresh_decode_tok_s": round(dec_fresh, 2), "prefill_s": round(prefill_s, 3),
-                         "peak_rss_mib": round(proc_status("VmHWM"), 1)})
+                         "peak_rss_mib": round(peak, 1)})
             log(f"  {m}@{grid.ratio:g}: compress {cs * 1000:.0f} ms ({100 * cs / prefill_s:.1f}% of prefill), "
                 f"{cells} cells, decode {dec:.1f} tok/s (a fresh {cells}-cell context, alternating: "
                 f"{dec_fresh:.1f})")

@@ -120,18 +120,23 @@ def _member_scores(z, h, members, count, ref, n_ref, ddof):  # pragma: no cover 
     over the ``n_ref`` reference cells ``ref``; no reference: uniform. z [n, H, d]."""
     d = z.shape[2]
     sd = np.zeros(count)
-    if n_ref > 0:
-        mn = np.empty(d)
-        inv = np.empty(d)
-        for c in range(d):
-            lo = np.inf
-            hi = -np.inf
-            for r in range(n_ref):
-                x = np.float64(z[ref[r], h, c])
-                lo = min(lo, x)
-                hi = max(hi, x)
-            mn[c] = lo
-            inv[c] = 1.0 / max(hi - lo, EPS)
+    mn = np.empty(d)
+    inv = np.empty(d)
+    n_nan = 0
+    for c in range(d):
+        lo = np.inf
+        hi = -np.inf
+        for r in range(n_ref):
+            x = np.float64(z[ref[r], h, c])
+            if np.isnan(x):  # numpy's min and max propagate NaN: the channel scores NaN
+                lo = hi = np.nan
+                n_nan += 1
+                break
+            lo = min(lo, x)
+            hi = max(hi, x)
+        mn[c] = lo
+        inv[c] = 1.0 / max(hi - lo, EPS) if not np.isnan(lo) else np.nan
+    if n_ref > 0 and n_nan < d:  # else no reference (or none usable): uniform
         zz = np.empty(d)
         for i in range(count):
             m = 0.0
