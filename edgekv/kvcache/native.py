@@ -182,6 +182,16 @@ class NativeEngine:
         self._gen += 1
         return self._portable.shift(n_keep, n_discard)
 
+    def renumber(self) -> int:
+        """Through the state API (a host round trip); the log-count bias, which a restore
+        zeroes, is put back on the same cells."""
+        self._gen += 1
+        bias = self.bias_get(cell_order=True) if self._biased else None
+        delta = self._portable.renumber()
+        if bias is not None:
+            self.bias_set(bias, cell_order=True)
+        return delta
+
     def observe(self, size: int, *, tally: bool = False) -> None:
         self._portable.observe(size, tally=tally)
 

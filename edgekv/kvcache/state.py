@@ -18,6 +18,7 @@ from .engine import (
     CacheState,
     KVSnapshot,
     TokenMap,
+    _unrotate,
     average_rows,
     check_keep,
     check_merge,
@@ -26,8 +27,9 @@ from .engine import (
     merge_keep,
     merged_counts,
 )
-from .quant import row_size
+from .quant import dequantize, quantize, row_size
 from .queries import AttentionTally, QueryWindow, window_attention
+from .rope import Rope
 
 
 class StateEngine:
@@ -142,6 +144,44 @@ class StateEngine:
         if self.window is not None:  # its positions and RoPE phases belong to the old numbering
             self.window.clear()
         return delta
+
+    def renumber(self) -> int:
+        """Give the cells the positions 0..n-1 and re-rotate every (layer, head)'s keys by
+        its own distance, so each head sees the tokens it kept as one contiguous run
+        (StreamingLLM's renumbering, exact for a per-head cache). Returns the position
+        delta for the next token. The observation window is cleared (its queries carry the
+        old positions' rotation); merge counts and the tally keep their cells."""
+        rope = Rope.of(self.ctx.model)  # refuses what it cannot reproduce before anything changes
+        st = self._parse()
+        sec = st.sections[0]
+        n, n_layer, H, dk = sec.n_cells, len(sec.layers), self.n_kv_head, self.head_dim_k
+        if n == 0:
+            return 0
+        order = np.argsort(sec.pos, kind="stable")
+        pos = sec.pos[order]
+        token_pos = self.tokens.full(pos, n_layer)
+        counts = self.tokens.full_counts(n_layer, n)
+        delta = np.empty((n_layer, H, n), np.int64)
+        delta[..., order] = np.arange(n) - token_pos  # cell order, as the blob holds them
+        block = self.ctx.k_rot
+        for il, ld in enumerate(sec.layers):
+            rows = np.flatnonzero(np.any(delta[il] != 0, axis=0))
+            if rows.size == 0:
+                continue
+            k = _unrotate(dequantize(ld.k[rows], ld.k_type, H * dk), block).reshape(rows.size, H, dk)
+            k = rope.rotate(k.transpose(1, 0, 2), delta[il][:, rows]).transpose(1, 0, 2)
+            raw = np.array(ld.k)
+            raw[rows] = quantize(_unrotate(k.reshape(rows.size, H * dk), block), ld.k_type)
+            ld.k = raw
+        new_pos = np.empty(n, np.int32)
+        new_pos[order] = np.arange(n, dtype=np.int32)
+        sec.pos = new_pos
+        self.ctx.state_set(layout.write_seq_state(st), self.seq)
+        self.tokens.set(np.broadcast_to(np.arange(n, dtype=np.int32), (n_layer, H, n)), counts)
+        self.tokens.pos_shift = 0
+        if self.window is not None:
+            self.window.clear()
+        return n - int(pos[-1]) - 1
 
     def reset(self) -> None:
         """Empty the sequence (llama.cpp's cells and the token map)."""

@@ -1,0 +1,75 @@
+"""Rotary position embedding of cached keys, by a distance per (layer, KV head, cell).
+
+llama.cpp caches keys after RoPE. Moving a key to another position is one more
+rotation by the distance moved (rotations compose): that is how llama.cpp's
+K-shift works, one distance per cell for every head. A per-head compacted cell
+holds a different token in each head, so giving the cells new positions
+exactly needs a distance per (layer, head, cell), which this module applies on
+the host, computing the angles as ggml's CPU rope does (float32 ``theta``
+multiplied up from ``freq_base ** (-2 / n_rot)``, no YaRN).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import EdgekvError
+
+ROPE_NORM = 0  # llama.cpp's LLAMA_ROPE_TYPE_NORM: pairs (2i, 2i + 1)
+ROPE_NEOX = 2  # LLAMA_ROPE_TYPE_NEOX: pairs (i, i + n_rot / 2)
+
+
+@dataclass(frozen=True)
+class Rope:
+    """The RoPE a model applies to its keys: what re-rotating them needs."""
+
+    mode: int
+    n_rot: int
+    freq_base: float
+    freq_scale: float
+
+    @classmethod
+    def of(cls, model) -> Rope:
+        """The model's RoPE, or a one-line error for the variants this module does not reproduce."""
+        from ..gguf_info import read_gguf_header
+        from ..llama import lib
+
+        arch = model.arch
+        why = None
+        if arch.rope_type not in (ROPE_NORM, ROPE_NEOX):
+            why = "no RoPE" if arch.rope_type < 0 else f"RoPE type {arch.rope_type}"
+        elif arch.n_swa > 0:
+            why = "sliding-window layers (two caches, two RoPE bases)"
+        elif (model.meta(f"{arch.name}.rope.scaling.type") or "none") not in ("none", "linear"):
+            why = f"{model.meta(f'{arch.name}.rope.scaling.type')} RoPE scaling"
+        elif any(t.name.startswith("rope_freqs") for t in read_gguf_header(model.path).tensors):
+            why = "per-dimension RoPE frequency factors"
+        if why:
+            raise EdgekvError(f"re-rotating keys is not supported for {arch.name} ({why}); "
+                              "run without position re-indexing")
+        n_rot = int(model.meta(f"{arch.name}.rope.dimension_count") or arch.head_dim_k)
+        base = float(model.meta(f"{arch.name}.rope.freq_base") or 10000.0)
+        scale = float(lib().llama_model_rope_freq_scale_train(model.ptr))
+        return cls(arch.rope_type, n_rot, base, scale)
+
+    def rotate(self, k: np.ndarray, delta: np.ndarray) -> np.ndarray:
+        """Keys ``k`` float32 [..., n, head_dim] moved by ``delta`` int [..., n] positions."""
+        k = np.array(k, np.float32)
+        half = self.n_rot // 2
+        theta_scale = np.float32(self.freq_base) ** np.float32(-2.0 / self.n_rot)
+        theta = np.asarray(delta, np.float32)[..., None].repeat(half, axis=-1)
+        for i in range(1, half):  # ggml: theta *= theta_scale, pair by pair, in float32
+            theta[..., i] = theta[..., i - 1] * theta_scale
+        theta *= np.float32(self.freq_scale)
+        cos, sin = np.cos(theta), np.sin(theta)
+        if self.mode == ROPE_NORM:
+            x0, x1 = k[..., 0 : self.n_rot : 2].copy(), k[..., 1 : self.n_rot : 2].copy()
+            k[..., 0 : self.n_rot : 2] = x0 * cos - x1 * sin
+            k[..., 1 : self.n_rot : 2] = x0 * sin + x1 * cos
+        else:
+            x0, x1 = k[..., :half].copy(), k[..., half : self.n_rot].copy()
+            k[..., :half] = x0 * cos - x1 * sin
+            k[..., half : self.n_rot] = x0 * sin + x1 * cos
+        return k

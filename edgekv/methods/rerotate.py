@@ -1,0 +1,89 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import EdgekvError
+from ..gguf_info import ModelInfo
+from ..kvcache.engine import KVEngine, KVSnapshot
+from .base import Method
+
+
+@dataclass
+class KeyRerotation(Method):
+    """Wraps a method (as kvpress's ``KeyRerotationPress`` does): after each compression
+    that evicts, the cells get the positions 0..n-1 and every (layer, KV head)'s keys
+    are re-rotated to them (``engine.renumber``), so each head sees what it kept as
+    one contiguous run and the next token comes at position n.
+
+    Without it a session keeps original positions: relative distances stay exact,
+    but a 32k-token document through a 2k cache asks the model about distances up to
+    32k, past a small model's trained context. With it, every distance stays below
+    the cache size, at the price of telling the model evicted tokens never were.
+    Models whose RoPE the host cannot reproduce (sliding-window layers, YaRN,
+    frequency factors) are refused by name at the first compression."""
+
+    method: Method | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.method, Method):
+            raise EdgekvError("KeyRerotation wraps a method instance, e.g. KeyRerotation(get_method('knorm'))")
+        if self.method.shifts_positions:
+            raise EdgekvError(f"{self.method.name} already moves positions itself; it takes no re-rotation")
+
+    # the wrapped method answers everything but the positions
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return f"{self.method.name}+rerotate"
+
+    @property
+    def summary(self) -> str:  # type: ignore[override]
+        return f"{self.method.summary}; positions renumbered 0..n-1 after each compression"
+
+    @property
+    def compresses(self) -> bool:  # type: ignore[override]
+        return self.method.compresses
+
+    @property
+    def needs(self) -> frozenset[str]:  # type: ignore[override]
+        return self.method.needs
+
+    @property
+    def tallies(self) -> bool:  # type: ignore[override]
+        return self.method.tallies
+
+    @property
+    def queries_needed(self) -> int:
+        return self.method.queries_needed
+
+    def params(self) -> dict[str, object]:
+        return {**self.method.params(), "rerotate": True}
+
+    def bind(self, budget: int | None, ratio: float | None) -> None:
+        self.method.bind(budget, ratio)
+
+    def attach(self, info: ModelInfo) -> None:
+        if info.is_swa_model:  # the rest of what Rope.of refuses is checked at the first compression
+            raise EdgekvError(f"re-rotating keys is not supported for {info.arch} (sliding-window layers: "
+                              "two caches, two RoPE bases); run without position re-indexing")
+        self.method.attach(info)
+
+    def due(self, tokens_since_compress: int, n_cells: int) -> bool:
+        return self.method.due(tokens_since_compress, n_cells)
+
+    def protected(self, snap: KVSnapshot) -> np.ndarray:
+        return self.method.protected(snap)
+
+    def min_budget(self, snap: KVSnapshot) -> int:
+        return self.method.min_budget(snap)
+
+    def select(self, snap: KVSnapshot, budget: int, *, scheduled: bool = False) -> np.ndarray:
+        return self.method.select(snap, budget, scheduled=scheduled)
+
+    def compress(self, engine: KVEngine, target: int, *, scheduled: bool = False) -> int:
+        before = engine.n_cells
+        moved = self.method.compress(engine, target, scheduled=scheduled)
+        if engine.n_cells >= before:
+            return moved
+        return moved + engine.renumber()

@@ -1,0 +1,114 @@
+"""Position re-indexing (``KeyRerotation``, ``engine.renumber``) on the real model.
+
+The reference is llama.cpp itself: on a cache whose cells hold the same token in
+every head (StreamingLLM's), renumbering is one distance per cell, which is what
+llama.cpp's own K-shift (``llama_memory_seq_add``) applies on its next decode.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edgekv.errors import EdgekvError
+from edgekv.kvcache.rope import ROPE_NEOX, ROPE_NORM, Rope
+from edgekv.methods import get_method
+from edgekv.methods.rerotate import KeyRerotation
+from edgekv.session import Session
+
+TEXT = " ".join(f"Line {i}: the lighthouse keeper counted {i * 7 % 13} ships at dusk." for i in range(40))
+
+
+def _keys(sess: Session) -> np.ndarray:
+    snap = sess.engine.snapshot()
+    return np.stack([snap.keys(layer) for layer in range(snap.n_layer)])
+
+
+def _llama_cpp_renumber(sess: Session) -> None:
+    """Move every run of consecutive positions down to 0..n-1 with llama.cpp's seq_add."""
+    pos = np.sort(sess.engine.cell_positions())
+    runs = np.flatnonzero(np.diff(pos) != 1) + 1
+    for start, end in zip(np.r_[0, runs], np.r_[runs, pos.size], strict=True):
+        if pos[start] != start:
+            sess.ctx.seq_add(sess.engine.seq, int(pos[start]), int(pos[end - 1]) + 1, int(start - pos[start]))
+    sess.n_past = int(pos.size)
+
+
+@pytest.mark.parametrize("engine", ["state", "native"])
+@pytest.mark.parametrize("ct", ["f16", "q8_0"])
+def test_renumbering_rotates_keys_as_llama_cpps_k_shift(smollm2, engine: str, ct: str) -> None:
+    toks = smollm2.tokenize(TEXT)[:300]
+    kw = dict(n_ctx=384, chunk=128, engine=engine, cache_type_k=ct, cache_type_v=ct, n_threads=2)
+    with (Session(smollm2, method=KeyRerotation(method=get_method("streaming_llm")), **kw) as a,
+          Session(smollm2, method="streaming_llm", **kw) as b):
+        for s in (a, b):
+            s.feed(toks)
+            s.compress(100)
+            assert s.engine.n_cells == 100
+        assert a.n_past == 100 and np.array_equal(np.sort(a.engine.cell_positions()), np.arange(100))
+        assert np.array_equal(a.engine.snapshot().token_pos[0, 0], np.arange(100))
+        _llama_cpp_renumber(b)
+        nxt = smollm2.tokenize(" The keeper", add_special=False)
+        a.feed(nxt)
+        b.feed(nxt)  # llama.cpp applies its pending K-shift here
+        ka, kb = _keys(a)[:, :100], _keys(b)[:, :100]  # the renumbered cells
+        d = np.abs(ka - kb)
+        # the same float32 rotation, rounded back: a few elements land an ulp or two apart
+        # (cos/sin in their last bit); quantised keys can then round to the next step
+        assert (d > 0).mean() < (1e-3 if ct == "f16" else 1e-2)
+        if ct == "f16":
+            ulp = np.spacing(np.maximum(np.abs(ka), np.abs(kb)).astype(np.float16)).astype(np.float32)
+            assert np.all(d <= 2 * ulp)
+        else:
+            assert d.mean() < 1e-4 * np.abs(kb).mean()
+        # the new tokens see (nearly) the same cache: the same next token
+        assert np.argmax(a.logits()) == np.argmax(b.logits())
+
+
+@pytest.mark.parametrize("engine", ["state", "native"])
+def test_each_head_is_rotated_by_its_own_distance(smollm2, engine: str) -> None:
+    """knorm keeps different tokens per head: every (layer, head, cell) key must equal the
+    old key rotated from its token's position to the cell index, and decoding continues at n."""
+    toks = smollm2.tokenize(TEXT)[:300]
+    with Session(smollm2, method=KeyRerotation(method=get_method("knorm")), n_ctx=384, chunk=128, engine=engine,
+                 n_threads=2) as s:
+        s.feed(toks)
+        before = s.engine.snapshot()
+        keep = s.method.select(before, 120)
+        assert not np.all(keep == keep[:1, :1])  # heads keep different tokens
+        old = np.stack([np.take_along_axis(before.keys(layer).transpose(1, 0, 2), keep[layer][..., None], axis=1)
+                        for layer in range(before.n_layer)])  # [L, H, B, d]
+        old_pos = np.take_along_axis(before.token_pos, keep, axis=2)
+        s.compress(120)
+        assert s.n_past == s.engine.n_cells == 120
+        after = s.engine.snapshot()
+        got = np.stack([after.keys(layer).transpose(1, 0, 2) for layer in range(after.n_layer)])
+        want = Rope.of(smollm2).rotate(old, np.arange(120) - old_pos)
+        assert np.abs(got - want).max() <= 2e-3 * np.abs(want).max()
+        assert np.array_equal(after.token_pos, np.broadcast_to(np.arange(120), after.token_pos.shape))
+        s.feed(smollm2.tokenize(" The keeper", add_special=False))
+        assert s.ctx.pos_max() + 1 == s.n_past == 120 + 2
+        assert "".join(s.generate(6)).strip()
+
+
+def test_rope_conventions_on_a_known_vector() -> None:
+    """A rotation by d positions turns pair i by d * base**(-2i/n): NORM pairs neighbours,
+    NEOX pairs halves; dimensions past n_rot stay."""
+    x = np.arange(1, 9, dtype=np.float32)
+    for mode, pairs in ((ROPE_NORM, [(0, 1), (2, 3)]), (ROPE_NEOX, [(0, 2), (1, 3)])):
+        r = Rope(mode, n_rot=4, freq_base=100.0, freq_scale=1.0)
+        y = r.rotate(x[None], np.array([3]))[0]
+        for i, (a, b) in enumerate(pairs):
+            t = 3 * 100.0 ** (-2 * i / 4)
+            assert y[a] == pytest.approx(x[a] * np.cos(t) - x[b] * np.sin(t), rel=1e-5)
+            assert y[b] == pytest.approx(x[a] * np.sin(t) + x[b] * np.cos(t), rel=1e-5)
+        assert np.array_equal(y[4:], x[4:])
+        back = r.rotate(y[None], np.array([-3]))[0]
+        np.testing.assert_allclose(back, x, rtol=1e-5)
+
+
+def test_what_cannot_be_renumbered_is_refused(smollm2, gemma3) -> None:
+    with pytest.raises(EdgekvError, match="already moves positions"):
+        KeyRerotation(method=get_method("context_shift"))
+    with pytest.raises(EdgekvError, match="sliding-window"):
+        Session(gemma3, method=KeyRerotation(method=get_method("knorm")), budget=64, n_ctx=128, n_threads=2)
