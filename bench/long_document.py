@@ -8,7 +8,10 @@ cells, and the full cache where it fits in RAM (``--full``).
 
 Per method: ingest wall time and tok/s, peak RSS (the process's high-water
 mark, reset before each ingest), KV MiB, compressions; per needle: its depth
-and whether the answer holds the number.
+and whether the answer holds the number; and the perplexity of a
+``--ppl-tokens`` passage of the haystack's book read after the document.
+A method named ``NAME+rerotate`` renumbers positions after each compression
+(docs/methods.md), keeping every distance within the cache.
 
 Resumable: rows go to ``bench/results/long_document/results.jsonl`` as they
 are measured, and each method's cache after the document is kept as an edgekv
@@ -52,6 +55,7 @@ def main() -> None:
     ap.add_argument("--methods", default=METHODS)
     ap.add_argument("--full", action="store_true", help="also the full cache (n_ctx = the document)")
     ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--ppl-tokens", type=int, default=256, help="passage read after the document (perplexity)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=OUT)
@@ -59,8 +63,8 @@ def main() -> None:
 
     from edgekv.bench import tasks
     from edgekv.bench.results import machine
-    from edgekv.bench.runner import generate_answer, model_label, stop_rule
-    from edgekv.bench.scoring import score
+    from edgekv.bench.runner import feed_logits, generate_answer, model_label, stop_rule
+    from edgekv.bench.scoring import log_softmax_at, perplexity, score
     from edgekv.bench.speed import proc_status, reset_peak_rss
     from edgekv.llama import Model
     from edgekv.models import edgekv_home, resolve_model
@@ -81,6 +85,7 @@ def main() -> None:
     context = before + sample.intro + sample.context
     ctx_tokens = model.tokenize(context, add_special=True)
     keys, questions, prefixes = sample.meta["keys"], sample.meta["questions"], sample.meta["prefixes"]
+    passage = model.tokenize(" " + tasks.passage(a.ppl_tokens, a.seed, count), add_special=False)[: a.ppl_tokens]
     depth = {k: round(sample.context.index(f"for {k} is:") / len(sample.context), 3) for k in keys}
     base = {"model": label, "tokens": a.tokens, "document_tokens": len(ctx_tokens), "budget": a.budget,
             "needles": a.needles, "seed": a.seed}
@@ -90,8 +95,10 @@ def main() -> None:
 
     methods = a.methods.split(",") + (["full"] if a.full else [])
     for m in methods:
-        done = {r["needle"] for r in load_rows(rows_path) if same(r) and r["method"] == m and r["kind"] == "needle"}
-        if len(done) == a.needles:
+        mine = [r for r in load_rows(rows_path) if same(r) and r["method"] == m]
+        done = {r["needle"] for r in mine if r["kind"] == "needle"}
+        ppl_done = any(r["kind"] == "ppl" and r["ppl_tokens"] == len(passage) for r in mine)
+        if len(done) == a.needles and ppl_done:
             log(f"{m}: done")
             continue
         if m == "full":
@@ -145,6 +152,15 @@ def main() -> None:
                 with open(rows_path, "a", encoding="utf-8") as f:
                     f.write(json.dumps(row) + "\n")
                 log(f"{m}: needle {i} at depth {depth[k]:.2f}: {row['score']:.0f} ({out.strip()[:40]!r})")
+            if not ppl_done:
+                sess.restore(saved)
+                logits = feed_logits(sess, passage[:-1])
+                nll = -sum(log_softmax_at(lg, t) for lg, t in zip(logits, passage[1:], strict=True))
+                row = {**base, "kind": "ppl", "method": m, "ppl_tokens": len(passage),
+                       "ppl": round(perplexity(nll, len(passage) - 1), 3)}
+                with open(rows_path, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(row) + "\n")
+                log(f"{m}: perplexity {row['ppl']} over a {len(passage)}-token passage after the document")
     report(load_rows(rows_path), a.out / "report.md")
 
 
@@ -158,7 +174,7 @@ def report(rows: list[dict], path: Path) -> None:
         rs = [r for r in rows if (r["model"], r["tokens"], r["budget"], r["needles"], r["seed"]) == g]
         lines += [f"## {g[0]}, {g[1]}-token document, {g[2]}-cell budget, {g[3]} needles", "",
                   "| method | ingest s | tok/s | peak RSS MiB | KV MiB (allocated) | compressions | accuracy % "
-                  "| found at depths |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+                  "| found at depths | passage ppl |", "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
         for m in dict.fromkeys(r["method"] for r in rs):
             ing = next((r for r in reversed(rs) if r["method"] == m and r["kind"] == "ingest"), None)  # the latest
             nd = sorted((r for r in rs if r["method"] == m and r["kind"] == "needle"), key=lambda r: r["depth"])
@@ -166,9 +182,10 @@ def report(rows: list[dict], path: Path) -> None:
                 continue
             acc = 100 * sum(r["score"] for r in nd) / len(nd)
             found = ", ".join(f"{r['depth']:.2f}" for r in nd if r["score"] > 0) or "none"
+            ppl = next((f"{r['ppl']:.2f}" for r in reversed(rs) if r["method"] == m and r["kind"] == "ppl"), "")
             lines.append(f"| {m} | {ing['ingest_s']:.0f} | {ing['ingest_tok_s']:.0f} | {ing['peak_rss_mib']:.0f} "
                          f"| {ing['kv_mib']:.1f} ({ing['kv_allocated_mib']:.1f}) | {ing['compressions']} "
-                         f"| {acc:.0f} ({len(nd)} needles) | {found} |")
+                         f"| {acc:.0f} ({len(nd)} needles) | {found} | {ppl} |")
         lines.append("")
     path.write_text("\n".join(lines))
     log(f"wrote {path}")

@@ -71,7 +71,9 @@ ModelArg = Annotated[
     str | None,
     typer.Argument(help="GGUF file or registry name (`edgekv models list`); default: smollm2-135m."),
 ]
-MethodOpt = Annotated[str, typer.Option("--method", "-m", help="Compression method (`edgekv methods`).")]
+MethodOpt = Annotated[str, typer.Option("--method", "-m", help=(
+    "Compression method (`edgekv methods`). NAME+rerotate also renumbers the cells 0..n-1 after each "
+    "compression, re-rotating every head's keys: for documents past the model's trained context."))]
 BudgetOpt = Annotated[int | None, typer.Option(help=BUDGET_HELP)]
 RatioOpt = Annotated[float | None, typer.Option(help=RATIO_HELP)]
 NCtxOpt = Annotated[
@@ -86,9 +88,6 @@ ThreadsOpt = Annotated[int | None, typer.Option("--threads", "-t", help="CPU thr
 EngineOpt = Annotated[str, typer.Option(
     "--engine", help="KV engine: auto (native ops when libllama has edgekv's patches and the cache suits them), "
     "native, or state (portable, via llama.cpp's state API).")]
-RerotateOpt = Annotated[bool, typer.Option(
-    "--rerotate", help="After each compression, renumber the cells 0..n-1 and re-rotate every head's keys "
-    "to match (positions stay within the cache: for documents longer than the model's trained context).")]
 ParamOpt = Annotated[
     list[str] | None, typer.Option("--param", "-p", help="Method parameter NAME=VALUE (repeatable).")
 ]
@@ -127,19 +126,14 @@ def _parse_params(items: list[str] | None) -> dict[str, object]:
 
 def _session(model: str | None, method: str, budget: int | None, ratio: float | None,
              n_ctx: int | None, ctk: str, ctv: str, fa: str, threads: int | None,
-             params: list[str] | None, chunk: int = 256, engine: str = "auto", rerotate: bool = False):
-    from .methods import get_method
-    from .methods.rerotate import KeyRerotation
+             params: list[str] | None, chunk: int = 256, engine: str = "auto"):
     from .models import resolve_model
     from .session import Session
 
     params_dict = _parse_params(params)
-    chosen: str | KeyRerotation = method
-    if rerotate:
-        chosen, params_dict = KeyRerotation(method=get_method(method, **params_dict)), {}
     path = resolve_model(model)
     return Session(
-        path, method=chosen, budget=budget, ratio=ratio, n_ctx=n_ctx, chunk=chunk,
+        path, method=method, budget=budget, ratio=ratio, n_ctx=n_ctx, chunk=chunk,
         cache_type_k=ctk, cache_type_v=ctv, flash_attn=fa, n_threads=threads,
         method_params=params_dict, engine=engine,
     )
@@ -221,7 +215,6 @@ def chat(
     threads: ThreadsOpt = None,
     param: ParamOpt = None,
     engine: EngineOpt = "auto",
-    rerotate: RerotateOpt = False,
     max_tokens: Annotated[int, typer.Option(help="Longest reply, in tokens.")] = 512,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.7,
     seed: int = 0,
@@ -243,7 +236,7 @@ def chat(
         _check_writable(stats_json, "--stats-json")
         budget = _interactive_budget(method, budget, ratio, n_ctx)
         sess = _session(model, method, budget, ratio, n_ctx, cache_type_k, cache_type_v, flash_attn, threads, param,
-                        engine=engine, rerotate=rerotate)
+                        engine=engine)
         conv = Chat(sess, system=system)
         cfg = SamplerConfig(temperature=temperature, seed=seed)
         interactive = sys.stdin.isatty()
@@ -303,7 +296,6 @@ def generate(
     threads: ThreadsOpt = None,
     param: ParamOpt = None,
     engine: EngineOpt = "auto",
-    rerotate: RerotateOpt = False,
     max_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 256,
     temperature: float = 0.0,
     seed: int = 0,
@@ -338,7 +330,7 @@ def generate(
                 raise EdgekvError("the question is empty")
             text = f"{text.rstrip()}\n\n{question.strip()}"
         sess = _session(model, method, budget, ratio, n_ctx, cache_type_k, cache_type_v, flash_attn, threads, param,
-                        engine=engine, rerotate=rerotate)
+                        engine=engine)
         if chat_template:
             text = sess.model.apply_chat_template([{"role": "user", "content": text}])
         prog, cb = _progress_bar("prefill")
@@ -446,12 +438,14 @@ def serve(
 @app.command()
 def methods() -> None:
     """List compression methods with their parameters and defaults."""
-    from .methods import METHODS
+    from .methods import METHODS, WRAPPERS
 
     for name, cls in METHODS.items():
         inst = cls()
         params = ", ".join(f"{k}={v}" for k, v in inst.params().items()) or "-"
         typer.echo(f"{name:16s} {cls.summary}\n{'':16s} params: {params}")
+    for suffix, wrapper in WRAPPERS.items():
+        typer.echo(f"{'NAME+' + suffix:16s} {wrapper.about}")
 
 
 def _floats(text: str, opt: str) -> tuple[float, ...]:

@@ -330,7 +330,7 @@ def test_batched_scoring_matches_token_by_token(smollm2, fa: str, tol: float) ->
     up to about 0.7 (the same size as flash attention on against off); an
     off-by-one in the batch's positions or logits would move them by far more
     and change the argmax."""
-    from edgekv.bench.runner import _feed_logits
+    from edgekv.bench.runner import feed_logits
     from edgekv.session import Session
 
     toks = smollm2.tokenize("Emma Woodhouse, handsome, clever, and rich, with a comfortable home and happy "
@@ -339,7 +339,7 @@ def test_batched_scoring_matches_token_by_token(smollm2, fa: str, tol: float) ->
     with Session(smollm2, method="full", n_ctx=128, chunk=64, n_threads=1, flash_attn=fa) as s:
         s.feed(ctx)
         saved = s.save()
-        batched = [lg.copy() for lg in _feed_logits(s, ev)]
+        batched = [lg.copy() for lg in feed_logits(s, ev)]
         assert s.n_past == len(ctx) + len(ev) and s.engine.n_cells == s.n_past
         s.restore(saved)
         single = []

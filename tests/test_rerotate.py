@@ -12,8 +12,7 @@ import pytest
 
 from edgekv.errors import EdgekvError
 from edgekv.kvcache.rope import ROPE_NEOX, ROPE_NORM, Rope
-from edgekv.methods import get_method
-from edgekv.methods.rerotate import KeyRerotation
+from edgekv.methods import KeyRerotation, get_method
 from edgekv.session import Session
 
 TEXT = " ".join(f"Line {i}: the lighthouse keeper counted {i * 7 % 13} ships at dusk." for i in range(40))
@@ -39,7 +38,7 @@ def _llama_cpp_renumber(sess: Session) -> None:
 def test_renumbering_rotates_keys_as_llama_cpps_k_shift(smollm2, engine: str, ct: str) -> None:
     toks = smollm2.tokenize(TEXT)[:300]
     kw = dict(n_ctx=384, chunk=128, engine=engine, cache_type_k=ct, cache_type_v=ct, n_threads=2)
-    with (Session(smollm2, method=KeyRerotation(method=get_method("streaming_llm")), **kw) as a,
+    with (Session(smollm2, method="streaming_llm+rerotate", **kw) as a,
           Session(smollm2, method="streaming_llm", **kw) as b):
         for s in (a, b):
             s.feed(toks)
@@ -108,7 +107,12 @@ def test_rope_conventions_on_a_known_vector() -> None:
 
 
 def test_what_cannot_be_renumbered_is_refused(smollm2, gemma3) -> None:
-    with pytest.raises(EdgekvError, match="already moves positions"):
-        KeyRerotation(method=get_method("context_shift"))
+    assert get_method("knorm+rerotate", window=8).method.window == 8
+    for bad, why in (("context_shift+rerotate", "already moves positions"), ("knorm+shift", "unknown method suffix"),
+                     ("nope+rerotate", "unknown method 'nope'")):
+        with pytest.raises(EdgekvError, match=why):
+            get_method(bad)
+    with pytest.raises(EdgekvError, match="wraps a method instance"):
+        KeyRerotation()
     with pytest.raises(EdgekvError, match="sliding-window"):
         Session(gemma3, method=KeyRerotation(method=get_method("knorm")), budget=64, n_ctx=128, n_threads=2)

@@ -192,7 +192,7 @@ def _reference(sess, prep: Prepared, pre: evaluation.Prefill) -> np.ndarray:
     which every method's row is compared with (KL divergence, top-1 agreement)."""
     evaluation.compress_once(sess, pre, "full")
     inputs = [prep.tokens[-1], *prep.eval_tokens[:-1]]
-    return np.stack([scoring.log_softmax(lg) for lg in _feed_logits(sess, inputs)])
+    return np.stack([scoring.log_softmax(lg) for lg in feed_logits(sess, inputs)])
 
 
 def run_oneshot(sess, prep: Prepared, method: str | Method, ratio: float, pre: evaluation.Prefill) -> dict:
@@ -212,7 +212,7 @@ def _answer(sess, prep: Prepared, target: int | None = None) -> dict:
     if prep.sample.task == "ppl":
         targets = prep.eval_tokens
         inputs = [prep.tokens[-1], *targets[:-1]]
-        logits = list(_feed_logits(sess, inputs))
+        logits = list(feed_logits(sess, inputs))
         nll = -sum(scoring.log_softmax_at(lg, t) for lg, t in zip(logits, targets, strict=True))
         n = len(targets)
         row = {"score": round(scoring.perplexity(nll, n), 4), "nll": round(nll / n, 5), "n_eval": n}
@@ -239,7 +239,7 @@ def _answer(sess, prep: Prepared, target: int | None = None) -> dict:
             "answers": list(s.answers), "gen_s": round(time.perf_counter() - t0, 3)}
 
 
-def _feed_logits(sess, tokens: list[int]) -> Iterator[np.ndarray]:
+def feed_logits(sess, tokens: list[int]) -> Iterator[np.ndarray]:
     """Feed tokens and yield the logits after each one (what predicts the next token).
 
     One batch with logits at every position when it fits in the free cells

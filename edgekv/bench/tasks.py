@@ -134,6 +134,12 @@ def _haystack(rng: random.Random, budget: int, count: Counter) -> list[str]:
     return out
 
 
+def passage(n_tokens: int, seed: int, count: Counter) -> str:
+    """About ``n_tokens`` of the haystack's book from a seeded start: a continuation to
+    measure perplexity on after a long document (the long-document benchmark)."""
+    return " ".join(_haystack(_rng("passage", n_tokens, seed, 0), n_tokens, count))
+
+
 def _filler_haystack(budget: int, count: Counter) -> list[str]:
     per = count(FILLER + " ")
     return [FILLER] * max(2, budget // max(per, 1) + 1)

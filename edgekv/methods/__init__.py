@@ -21,6 +21,7 @@ from .knorm import Knorm
 from .lagkv import LagKV
 from .protokv import ProtoKV
 from .random import Random
+from .rerotate import KeyRerotation
 from .snapkv import SnapKV
 from .streaming_llm import StreamingLLM
 
@@ -31,8 +32,18 @@ METHODS: dict[str, type[Method]] = {
 }
 
 
+# NAME+SUFFIX wraps method NAME: position changes wrap a method rather than being driver flags
+WRAPPERS: dict[str, type[Method]] = {"rerotate": KeyRerotation}
+
+
 def get_method(name: str, **params: object) -> Method:
-    """A configured instance; unknown names and parameters are one-line errors."""
+    """A configured instance; unknown names and parameters are one-line errors.
+    ``knorm+rerotate`` is knorm wrapped in ``KeyRerotation`` (parameters go to knorm)."""
+    base, plus, suffix = name.partition("+")
+    if plus:
+        if suffix not in WRAPPERS:
+            raise EdgekvError(f"unknown method suffix {suffix!r} in {name!r}; available: +{', +'.join(WRAPPERS)}")
+        return WRAPPERS[suffix](method=get_method(base, **params))
     cls = METHODS.get(name)
     if cls is None:
         raise EdgekvError(f"unknown method {name!r}; available: {', '.join(METHODS)}")
@@ -63,4 +74,4 @@ def _check_type(method: str, name: str, default: object, value: object) -> None:
         raise EdgekvError(f"parameter {name!r} of {method} takes {kind.__name__} values, got {value!r}")
 
 
-__all__ = ["METHODS", "Method", "ScorerMethod", "get_method"]
+__all__ = ["METHODS", "WRAPPERS", "KeyRerotation", "Method", "ScorerMethod", "get_method"]

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -23,6 +24,10 @@ class KeyRerotation(Method):
     the cache size, at the price of telling the model evicted tokens never were.
     Models whose RoPE the host cannot reproduce (sliding-window layers, YaRN,
     frequency factors) are refused by name at the first compression."""
+
+    # what ``edgekv methods`` says of NAME+rerotate
+    about: ClassVar[str] = ("NAME, then the cells renumbered 0..n-1 after each compression, every head's keys "
+                            "re-rotated to match (for documents past the trained context)")
 
     method: Method | None = None
 
