@@ -73,9 +73,8 @@ class Grid:
         for m in self.methods:
             if m == "all":
                 names += [n for n in METHODS if n not in names]
-            elif m not in METHODS:
-                raise EdgekvError(f"unknown method {m!r}; available: {', '.join(METHODS)}, all")
             elif m not in names:
+                get_method(m)  # unknown names (and suffixes) are one-line errors
                 names.append(m)
         return names
 
@@ -134,11 +133,9 @@ def model_label(arg: str | None, path: Path) -> str:
 
 
 def _evals(methods: list[str], ratios: list[float]) -> list[tuple[str, float]]:
-    from ..methods import METHODS
-
     out: list[tuple[str, float]] = []
     for m in methods:
-        if not METHODS[m].compresses:
+        if not get_method(m).compresses:
             out.append((m, 0.0))
         else:
             out += [(m, r) for r in ratios]
@@ -346,7 +343,6 @@ def plan(grid: Grid) -> Iterator[tuple[str | None, str, int, str, int]]:
 def run_quality(grid: Grid, *, log: Callable[[str], None] | None = None) -> Path:
     """Run (or resume) the sweep; returns the results file."""
     from ..llama import Model, resolve_flash_attn
-    from ..methods import METHODS
     from ..models import resolve_model
     from ..session import Session
 
@@ -360,6 +356,7 @@ def run_quality(grid: Grid, *, log: Callable[[str], None] | None = None) -> Path
     methods = grid.method_names()
     # the prefill records the queries every attention method of the grid will read
     observe = max((get_method(m).queries_needed for m in methods), default=0)
+    shifts = {m: get_method(m).shifts_positions for m in methods}
     tally = any(get_method(m).tallies for m in methods)
     evals = _evals(methods, grid.ratios)
     protocol = "aware" if grid.query_aware else "agnostic"
@@ -369,7 +366,7 @@ def run_quality(grid: Grid, *, log: Callable[[str], None] | None = None) -> Path
     def evals_for(i: int) -> list[tuple[str, float]]:
         if grid.n_shift is None or i < grid.n_shift:
             return evals
-        return [(m, r) for m, r in evals if not getattr(METHODS[m], "shifts_positions", False)]
+        return [(m, r) for m, r in evals if not shifts[m]]
 
     total = sum(len(evals_for(it[-1])) for it in items)
     with open(grid.out / "grid.json", "w", encoding="utf-8") as f:
@@ -425,7 +422,7 @@ def run_quality(grid: Grid, *, log: Callable[[str], None] | None = None) -> Path
                     row = {**base, "method": m, "ratio": r, "prompt_tokens": n_prompt,
                            "prefill_s": round(prefill_s, 3)}
                     try:
-                        if getattr(METHODS[m], "shifts_positions", False):
+                        if shifts[m]:
                             row.update(_run_streaming(model, grid, ct, prep, m, r, n_prompt))
                         else:
                             row.update(run_oneshot(sess, prep, m, r, pre))
