@@ -45,6 +45,8 @@ _ERRORS = {
     -2: "an argument is out of range",
     -3: "the ggml graph could not be allocated or computed",
     -4: "the cache type's rows cannot be moved or converted by the native ops",
+    -5: "the backend holding the cache cannot run an op that writes into it (ggml_backend_dev_supports_op "
+        "said no; llama.cpp's log names the op and type); the state engine serves instead",
 }
 
 
@@ -130,8 +132,8 @@ class NativeEngine:
         return self.ffi.cast("struct llama_context *", _ptr(self.ctx))
 
     def _check(self, rc: int, what: str) -> None:
-        if rc == -1:
-            raise NativeUnsupported(f"native {what}: {_ERRORS[-1]}")
+        if rc in (-1, -5):  # a cache the ops cannot handle, or a backend that cannot write it: the state engine can
+            raise NativeUnsupported(f"native {what}: {_ERRORS[rc]}")
         if rc < 0:
             raise EdgekvError(f"native {what}: {_ERRORS.get(rc, f'error {rc}')}")
 
