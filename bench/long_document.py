@@ -59,7 +59,21 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--one-process", action="store_true",
+                    help="run every method in this process (default: one subprocess each, so peak RSS is its own)")
     a = ap.parse_args()
+    methods = a.methods.split(",") + (["full"] if a.full else [])
+    if len(methods) > 1 and not a.one_process:
+        import subprocess
+
+        argv = [x for x in sys.argv[1:] if x != "--full"]
+        for m in methods:
+            at = argv.index("--methods") if "--methods" in argv else None
+            rest = argv[:at] + argv[at + 2 :] if at is not None else argv
+            rc = subprocess.call([sys.executable, __file__, *rest, "--methods", m, "--one-process"])
+            if rc:
+                sys.exit(rc)
+        return
 
     from edgekv.bench import tasks
     from edgekv.bench.results import machine
@@ -93,7 +107,6 @@ def main() -> None:
     def same(r: dict) -> bool:
         return all(r.get(k) == v for k, v in base.items())
 
-    methods = a.methods.split(",") + (["full"] if a.full else [])
     for m in methods:
         mine = [r for r in load_rows(rows_path) if same(r) and r["method"] == m]
         done = {r["needle"] for r in mine if r["kind"] == "needle"}
