@@ -45,7 +45,9 @@ def test_renumbering_rotates_keys_as_llama_cpps_k_shift(smollm2, engine: str, ct
             s.compress(100)
             assert s.engine.n_cells == 100
         assert a.n_past == 100 and np.array_equal(np.sort(a.engine.cell_positions()), np.arange(100))
-        assert np.array_equal(a.engine.snapshot().token_pos[0, 0], np.arange(100))
+        # methods still see the original positions; the keys are rotated to the cell indices
+        assert np.array_equal(a.engine.snapshot().token_pos[0, 0], np.r_[0:4, 204:300])
+        assert np.array_equal(a.engine.tokens.rot[0, 0], np.arange(100))
         _llama_cpp_renumber(b)
         nxt = smollm2.tokenize(" The keeper", add_special=False)
         a.feed(nxt)
@@ -84,7 +86,7 @@ def test_each_head_is_rotated_by_its_own_distance(smollm2, engine: str) -> None:
         got = np.stack([after.keys(layer).transpose(1, 0, 2) for layer in range(after.n_layer)])
         want = Rope.of(smollm2).rotate(old, np.arange(120) - old_pos)
         assert np.abs(got - want).max() <= 2e-3 * np.abs(want).max()
-        assert np.array_equal(after.token_pos, np.broadcast_to(np.arange(120), after.token_pos.shape))
+        assert np.array_equal(after.token_pos, old_pos)
         s.feed(smollm2.tokenize(" The keeper", add_special=False))
         assert s.ctx.pos_max() + 1 == s.n_past == 120 + 2
         assert "".join(s.generate(6)).strip()
@@ -106,7 +108,35 @@ def test_rope_conventions_on_a_known_vector() -> None:
         np.testing.assert_allclose(back, x, rtol=1e-5)
 
 
-def test_what_cannot_be_renumbered_is_refused(smollm2, gemma3) -> None:
+@pytest.mark.parametrize(("method", "engine"), [("lagkv", "state"), ("chunkkv", "native"), ("h2o", "native"),
+                                                ("chelsea", "native"), ("snapkv", "state")])
+def test_methods_still_see_original_positions(smollm2, tmp_path, method: str, engine: str) -> None:
+    params = {"L": 32} if method == "lagkv" else {}
+    """Under renumbering, methods keep reading original token positions (LagKV's partitions,
+    ChunkKV's chunks), every key sits where the token map says it is rotated, and a saved
+    session resumes exactly (key rotations and the position offset travel with it)."""
+    toks = smollm2.tokenize(TEXT * 3)[:900]
+    kw = dict(budget=160, n_ctx=256, chunk=64, engine=engine, n_threads=2, method_params=params)
+    with Session(smollm2, method=f"{method}+rerotate", **kw) as s:
+        s.feed(toks)
+        assert s.stats.compressions >= 3
+        assert s.engine.n_cells < 256 and s.n_past == s.engine.n_cells
+        tp = s.engine.snapshot().token_pos
+        assert tp.max() == len(toks) - 1  # original positions, not the renumbered ones
+        assert np.all(np.diff(tp, axis=2) > 0)
+        s.save_file(tmp_path / "s.edgekv")
+        nxt = smollm2.tokenize(" The keeper", add_special=False)
+        s.feed(nxt)
+        want = s.logits().copy()
+        assert s.engine.snapshot().token_pos[0, 0, -1] == len(toks) + len(nxt) - 1
+    with Session(smollm2, method=f"{method}+rerotate", **kw) as r:
+        r.load_file(tmp_path / "s.edgekv")
+        r.feed(nxt)
+        np.testing.assert_array_equal(r.logits(), want)
+        assert r.engine.snapshot().token_pos[0, 0, -1] == len(toks) + len(nxt) - 1
+
+
+def test_what_cannot_be_renumbered_is_refused(gemma3) -> None:
     assert get_method("knorm+rerotate", window=8).method.window == 8
     for bad, why in (("context_shift+rerotate", "already moves positions"), ("knorm+shift", "unknown method suffix"),
                      ("nope+rerotate", "unknown method 'nope'")):

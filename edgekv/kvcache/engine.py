@@ -220,6 +220,8 @@ class CacheState:
     bias: bool = False
     window: QueryWindow | None = None
     tally: np.ndarray | None = None  # float32 [rows, n_kv_head, n_cells], position order
+    rot: np.ndarray | None = None  # int32 like token_pos: where each key is rotated, if not at token_pos
+    pos_shift: int = 0  # token position - llama.cpp position of the cells decoded after the restore
 
     @property
     def n_cells(self) -> int:
@@ -272,7 +274,10 @@ class TokenMap:
 
     ``token_pos`` covers the cells up to the last compaction (or restore); cells
     decoded since then hold whole tokens at their llama.cpp position plus
-    ``pos_shift`` (the positions context shifts took away)."""
+    ``pos_shift`` (the positions context shifts and renumbering took away).
+    ``rot`` is the position each tracked key is rotated to, once a context shift or
+    a renumbering made it differ from ``token_pos`` (None until then); keys decoded
+    since are rotated to their llama.cpp position."""
 
     n_kv_head: int
     token_pos: np.ndarray = field(init=False)
@@ -280,6 +285,7 @@ class TokenMap:
     pos_shift: int = 0
     # tokens each tracked cell stands for after merges, float32 like token_pos; None: one each
     counts: np.ndarray | None = field(init=False, default=None)
+    rot: np.ndarray | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.reset()
@@ -287,6 +293,7 @@ class TokenMap:
     def reset(self) -> None:
         self.token_pos = np.zeros((0, self.n_kv_head, 0), dtype=np.int32)
         self.counts = None
+        self.rot = None
         self.n_cells = 0
         self.pos_shift = 0
 
@@ -301,6 +308,15 @@ class TokenMap:
         tp[:, :, m:] = pos_sorted[m:] + self.pos_shift
         return tp
 
+    def full_rot(self, pos_sorted: np.ndarray, n_layer: int) -> np.ndarray:
+        """int32 [n_layer, n_kv_head, n]: the position each key is rotated to (RoPE)."""
+        m = self.token_pos.shape[2] if self.token_pos.shape[0] else 0
+        out = self.full(pos_sorted, n_layer)
+        if self.rot is not None:
+            out[:, :, :m] = self.rot
+        out[:, :, m:] = pos_sorted[m:]  # llama.cpp rotates a decoded key to its cell's position
+        return out
+
     def full_counts(self, n_layer: int, n: int) -> np.ndarray | None:
         """float32 [n_layer, n_kv_head, n]: the tracked counts, cells decoded since count 1;
         None while nothing was merged."""
@@ -310,19 +326,23 @@ class TokenMap:
         out[:, :, : self.counts.shape[2]] = self.counts
         return out
 
-    def set(self, token_pos: np.ndarray, counts: np.ndarray | None = None) -> None:
+    def set(self, token_pos: np.ndarray, counts: np.ndarray | None = None, rot: np.ndarray | None = None) -> None:
         """After a compaction, merge or restore: exactly these cells, in position order."""
         self.token_pos = np.asarray(token_pos, dtype=np.int32).copy()
         self.n_cells = int(self.token_pos.shape[-1])
-        if counts is not None and counts.shape != self.token_pos.shape:
-            raise EdgekvError(f"merge counts shaped {counts.shape} do not match the cells {self.token_pos.shape}")
+        for name, a in (("merge counts", counts), ("key rotations", rot)):
+            if a is not None and a.shape != self.token_pos.shape:
+                raise EdgekvError(f"{name} shaped {a.shape} do not match the cells {self.token_pos.shape}")
         self.counts = None if counts is None or np.all(counts == 1) else np.asarray(counts, np.float32).copy()
+        self.rot = None if rot is None or np.array_equal(rot, token_pos) else np.asarray(rot, np.int32).copy()
 
     def compacted(self, pos_sorted: np.ndarray, n_layer: int, keep: np.ndarray) -> None:
         """Track a compaction to ``keep`` (checked indices into the position-sorted cells)."""
         counts = self.full_counts(n_layer, pos_sorted.shape[0])
+        rot = None if self.rot is None and not self.pos_shift else self.full_rot(pos_sorted, n_layer)
         self.set(np.take_along_axis(self.full(pos_sorted, n_layer), keep, axis=2),
-                 None if counts is None else np.take_along_axis(counts, keep, axis=2))
+                 None if counts is None else np.take_along_axis(counts, keep, axis=2),
+                 None if rot is None else np.take_along_axis(rot, keep, axis=2))
 
 
 def check_keep(keep: np.ndarray, n_layer: int, n_kv_head: int, n_cells: int) -> np.ndarray:

@@ -12,7 +12,9 @@ anything touches the cache. Layout (version 4)::
     {"name", "dtype" ("f4"/"i4"), "shape"}: "counts" (how many tokens each merged
     cell stands for; header["bias"] says whether attention adds their log),
     "window_q" and "window_pos" (the observation window; its size and layers in
-    header["window"]), "tally" (H2O's accumulated attention)
+    header["window"]), "tally" (H2O's accumulated attention), "rot" (where each
+    key is rotated, once a context shift or renumbering moved it; header["pos_shift"]
+    maps the llama.cpp positions of later cells to token positions)
     SHA-256 of every byte above (32 bytes)
 
 The digest is checked before anything else is read: a bit flip or splice inside
@@ -48,6 +50,8 @@ def _arrays(state: CacheState) -> dict[str, np.ndarray]:
         out["window_pos"] = state.window.pos.astype("<i4")
     if state.tally is not None:
         out["tally"] = state.tally.astype("<f4")
+    if state.rot is not None:
+        out["rot"] = state.rot.astype("<i4")
     return out
 
 
@@ -55,7 +59,7 @@ def save_cache_file(path: str | Path, state: CacheState, header: dict) -> None:
     """Write atomically (a ``.part`` file renamed into place)."""
     arrays = _arrays(state)
     header = {**header, "version": VERSION, "token_pos_shape": list(state.token_pos.shape),
-              "blob_len": len(state.blob), "bias": bool(state.bias),
+              "blob_len": len(state.blob), "bias": bool(state.bias), "pos_shift": int(state.pos_shift),
               "arrays": [{"name": k, "dtype": a.dtype.str[1:], "shape": list(a.shape)} for k, a in arrays.items()]}
     if state.window is not None:
         header["window"] = {"size": state.window.size, "layers": list(state.window.layers)}
@@ -140,6 +144,13 @@ def load_cache_file(path: str | Path, engine: str) -> tuple[CacheState, dict]:
             counts, bias = None, False
     if counts is not None and (counts.shape != token_pos.shape or not np.all(np.isfinite(counts) & (counts >= 1))):
         raise EdgekvError(f"{path}: the saved merge counts do not match the saved cells or are not counts (>= 1)")
+    rot = arrays.get("rot")
+    if rot is not None and rot.shape != token_pos.shape:
+        raise EdgekvError(f"{path}: the saved key rotations do not match the saved cells")
+    try:
+        pos_shift = int(header.get("pos_shift", 0))
+    except (TypeError, ValueError) as e:
+        raise EdgekvError(f"{path}: session header is corrupt ({e})") from e
     state = CacheState(blob=blob, token_pos=token_pos, engine=engine, counts=counts, bias=bias, window=window,
-                       tally=arrays.get("tally"))
+                       tally=arrays.get("tally"), rot=rot, pos_shift=pos_shift)
     return state, header

@@ -45,8 +45,9 @@ _ERRORS = {
     -2: "an argument is out of range",
     -3: "the ggml graph could not be allocated or computed",
     -4: "the cache type's rows cannot be moved or converted by the native ops",
-    -5: "the backend holding the cache cannot run an op that writes into it (ggml_backend_dev_supports_op "
-        "said no; llama.cpp's log names the op and type); the state engine serves instead",
+    -5: "no backend of the context can run an op that writes into the cache (ggml_backend_supports_op said "
+        "no; llama.cpp's log names the op and type); a compaction falls back to the state engine, a merge with "
+        "the log-count bias cannot",
 }
 
 
@@ -280,7 +281,8 @@ class NativeEngine:
         old = self.tokens.full_counts(self.n_layer, n)
         old = np.ones((self.n_layer, self.n_kv_head, n), np.float32) if old is None else old
         self._merge_in_place(src, dst, old)
-        self.tokens.set(self.tokens.full(pos, self.n_layer), merged_counts(old, src, dst, n))
+        self.tokens.set(self.tokens.full(pos, self.n_layer), merged_counts(old, src, dst, n),
+                        rot=self.tokens.full_rot(pos, self.n_layer))
         self._compact(merge_keep(src, n))
         # the op kept log(count) in float32; the host counts are exact, so the device copies them
         self.bias_set(np.log(self.tokens.full_counts(self.n_layer, self.n_cells)))

@@ -12,10 +12,14 @@ multiplied up from ``freq_base ** (-2 / n_rot)``, no YaRN).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import EdgekvError
+
+if TYPE_CHECKING:
+    from ..llama import Model
 
 ROPE_NORM = 0  # llama.cpp's LLAMA_ROPE_TYPE_NORM: pairs (2i, 2i + 1)
 ROPE_NEOX = 2  # LLAMA_ROPE_TYPE_NEOX: pairs (i, i + n_rot / 2)
@@ -31,8 +35,16 @@ class Rope:
     freq_scale: float
 
     @classmethod
-    def of(cls, model) -> Rope:
-        """The model's RoPE, or a one-line error for the variants this module does not reproduce."""
+    def of(cls, model: Model) -> Rope:
+        """The model's RoPE, or a one-line error for the variants this module does not reproduce
+        (read once per model)."""
+        cached = model.__dict__.get("_edgekv_rope")
+        if cached is None:
+            cached = model.__dict__["_edgekv_rope"] = cls._read(model)
+        return cached
+
+    @classmethod
+    def _read(cls, model: Model) -> Rope:
         from ..gguf_info import read_gguf_header
         from ..llama import lib
 
@@ -44,8 +56,10 @@ class Rope:
             why = "sliding-window layers (two caches, two RoPE bases)"
         elif (model.meta(f"{arch.name}.rope.scaling.type") or "none") not in ("none", "linear"):
             why = f"{model.meta(f'{arch.name}.rope.scaling.type')} RoPE scaling"
-        elif any(t.name.startswith("rope_freqs") for t in read_gguf_header(model.path).tensors):
-            why = "per-dimension RoPE frequency factors"
+        elif any(t.name.startswith(("rope_freqs", "rope_factors")) for t in read_gguf_header(model.path).tensors):
+            why = "per-dimension RoPE frequency factors (Llama 3.1 style or LongRoPE)"
+        elif float(model.meta(f"{arch.name}.rope.scaling.attn_factor") or 1.0) != 1.0:
+            why = "a RoPE attention factor"
         if why:
             raise EdgekvError(f"re-rotating keys is not supported for {arch.name} ({why}); "
                               "run without position re-indexing")

@@ -137,7 +137,9 @@ class StateEngine:
             raise EdgekvError("llama.cpp refused to remove the shifted range")
         self.ctx.seq_add(self.seq, p1, -1, -delta)
         keep = np.concatenate([np.arange(n_keep), np.arange(n_keep + n_discard, snap.n_cells)])
-        self.tokens.set(snap.token_pos[:, :, keep])
+        rot = self.tokens.full_rot(pos, snap.n_layer)[:, :, keep]
+        rot[:, :, n_keep:] -= delta  # llama.cpp's K-shift moves these keys down
+        self.tokens.set(snap.token_pos[:, :, keep], rot=rot)
         self.tokens.pos_shift += delta
         if self.tally is not None:
             self.tally.compact(keep)
@@ -149,8 +151,8 @@ class StateEngine:
         """Give the cells the positions 0..n-1 and re-rotate every (layer, head)'s keys by
         its own distance, so each head sees the tokens it kept as one contiguous run
         (StreamingLLM's renumbering, exact for a per-head cache). Returns the position
-        delta for the next token. The observation window is cleared (its queries carry the
-        old positions' rotation); merge counts and the tally keep their cells."""
+        delta for the next token. Methods still see original token positions; the
+        observation window is cleared (its queries carry the old rotation)."""
         rope = Rope.of(self.ctx.model)  # refuses what it cannot reproduce before anything changes
         st = self._parse()
         sec = st.sections[0]
@@ -162,26 +164,27 @@ class StateEngine:
         token_pos = self.tokens.full(pos, n_layer)
         counts = self.tokens.full_counts(n_layer, n)
         delta = np.empty((n_layer, H, n), np.int64)
-        delta[..., order] = np.arange(n) - token_pos  # cell order, as the blob holds them
-        block = self.ctx.k_rot
+        delta[..., order] = np.arange(n) - self.tokens.full_rot(pos, n_layer)  # cell order, as the blob holds them
         for il, ld in enumerate(sec.layers):
-            rows = np.flatnonzero(np.any(delta[il] != 0, axis=0))
-            if rows.size == 0:
+            if not delta[il].any():
                 continue
-            k = _unrotate(dequantize(ld.k[rows], ld.k_type, H * dk), block).reshape(rows.size, H, dk)
-            k = rope.rotate(k.transpose(1, 0, 2), delta[il][:, rows]).transpose(1, 0, 2)
-            raw = np.array(ld.k)
-            raw[rows] = quantize(_unrotate(k.reshape(rows.size, H * dk), block), ld.k_type)
-            ld.k = raw
+            raw = np.array(ld.k).reshape(n, H, -1)
+            for h in range(H):  # only the heads that move: a re-quantisation is not free
+                rows = np.flatnonzero(delta[il, h])
+                if rows.size:
+                    k = _unrotate(dequantize(raw[rows, h], ld.k_type, dk), self.ctx.k_rot)
+                    raw[rows, h] = quantize(_unrotate(rope.rotate(k, delta[il, h, rows]), self.ctx.k_rot), ld.k_type)
+            ld.k = raw.reshape(n, -1)
         new_pos = np.empty(n, np.int32)
         new_pos[order] = np.arange(n, dtype=np.int32)
         sec.pos = new_pos
         self.ctx.state_set(layout.write_seq_state(st), self.seq)
-        self.tokens.set(np.broadcast_to(np.arange(n, dtype=np.int32), (n_layer, H, n)), counts)
-        self.tokens.pos_shift = 0
+        moved = int(pos[-1]) + 1 - n
+        self.tokens.set(token_pos, counts, rot=np.broadcast_to(np.arange(n, dtype=np.int32), token_pos.shape))
+        self.tokens.pos_shift += moved
         if self.window is not None:
             self.window.clear()
-        return n - int(pos[-1]) - 1
+        return -moved
 
     def reset(self) -> None:
         """Empty the sequence (llama.cpp's cells and the token map)."""
@@ -292,7 +295,8 @@ class StateEngine:
             layout.set_head_rows(new, il, h, np.searchsorted(keep[il, h], d), k, v, H)
         st.sections[0] = new
         self.ctx.state_set(layout.write_seq_state(st), self.seq)
-        self.tokens.set(self.tokens.full(pos, n_layer), merged_counts(old, src, dst, n))
+        self.tokens.set(self.tokens.full(pos, n_layer), merged_counts(old, src, dst, n),
+                        rot=self.tokens.full_rot(pos, n_layer))
         self._compacted(pos, keep)
 
     def save(self) -> CacheState:
@@ -300,8 +304,10 @@ class StateEngine:
         st = layout.parse_seq_state(blob, n_caches=self.n_caches, n_layers=None)
         sec = st.sections[0]
         pos = np.sort(sec.pos)
+        rot = self.tokens.full_rot(pos, len(sec.layers)) if self.tokens.rot is not None else None
         return CacheState(blob=blob, token_pos=self.tokens.full(pos, len(sec.layers)), engine=self.name,
                           counts=self.tokens.full_counts(len(sec.layers), sec.n_cells),
+                          rot=rot, pos_shift=self.tokens.pos_shift,
                           window=self.window.copy() if self.window is not None else None,
                           tally=(self.tally.scores.astype(np.float32)
                                  if self.tally is not None and self.tally.complete else None))
@@ -326,8 +332,11 @@ class StateEngine:
         if state.bias:
             raise EdgekvError("this state's merged cells are weighed by their counts in attention (the "
                               "log-count bias), which only the native engine applies")
+        if state.rot is not None and state.rot.shape != state.token_pos.shape:
+            raise StateLayoutError("saved key rotations do not match the saved cells")
         self.ctx.state_set(state.blob, self.seq)
-        self.tokens.set(state.token_pos, state.counts)
+        self.tokens.set(state.token_pos, state.counts, state.rot)
+        self.tokens.pos_shift = state.pos_shift
         if state.window is not None and self.window is None and "queries" in self.capabilities:
             # the state was recorded for an attention method: keep recording from it
             self.observe(state.window.size, tally=state.tally is not None)

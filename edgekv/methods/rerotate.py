@@ -1,3 +1,5 @@
+"""``NAME+rerotate``: a method whose cells are renumbered 0..n-1 after each compression."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,6 +10,7 @@ import numpy as np
 from ..errors import EdgekvError
 from ..gguf_info import ModelInfo
 from ..kvcache.engine import KVEngine, KVSnapshot
+from ..kvcache.rope import Rope
 from .base import Method
 
 
@@ -32,10 +35,13 @@ class KeyRerotation(Method):
     method: Method | None = None
 
     def __post_init__(self) -> None:
+        # (a default only because the base's fields have defaults; a method is required)
         if not isinstance(self.method, Method):
             raise EdgekvError("KeyRerotation wraps a method instance, e.g. KeyRerotation(get_method('knorm'))")
         if self.method.shifts_positions:
             raise EdgekvError(f"{self.method.name} already moves positions itself; it takes no re-rotation")
+        # what the Session's budget checks read: the wrapped method's
+        self.sinks, self.window = self.method.sinks, self.method.window
 
     # the wrapped method answers everything but the positions
     @property
@@ -87,6 +93,7 @@ class KeyRerotation(Method):
         return self.method.select(snap, budget, scheduled=scheduled)
 
     def compress(self, engine: KVEngine, target: int, *, scheduled: bool = False) -> int:
+        Rope.of(engine.ctx.model)  # a model it cannot re-rotate is refused before anything is evicted
         before = engine.n_cells
         moved = self.method.compress(engine, target, scheduled=scheduled)
         if engine.n_cells >= before:
