@@ -283,7 +283,7 @@ class NativeEngine:
         self._merge_in_place(src, dst, old)
         self.tokens.set(self.tokens.full(pos, self.n_layer), merged_counts(old, src, dst, n),
                         rot=self.tokens.full_rot(pos, self.n_layer))
-        self._compact(merge_keep(src, n))
+        self.compact(merge_keep(src, n))  # a backend that cannot compact: the state engine does it
         # the op kept log(count) in float32; the host counts are exact, so the device copies them
         self.bias_set(np.log(self.tokens.full_counts(self.n_layer, self.n_cells)))
         self._biased = True
