@@ -25,8 +25,8 @@ class KeyRerotation(Method):
     but a 32k-token document through a 2k cache asks the model about distances up to
     32k, past a small model's trained context. With it, every distance stays below
     the cache size, at the price of telling the model evicted tokens never were.
-    Models whose RoPE the host cannot reproduce (sliding-window layers, YaRN,
-    frequency factors) are refused by name at the first compression."""
+    Models whose RoPE the host cannot reproduce are refused by name: sliding-window
+    models when the session starts, YaRN or frequency factors before the first eviction."""
 
     # what ``edgekv methods`` says of NAME+rerotate
     about: ClassVar[str] = ("NAME, then the cells renumbered 0..n-1 after each compression, every head's keys "
