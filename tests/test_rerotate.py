@@ -146,3 +146,23 @@ def test_what_cannot_be_renumbered_is_refused(gemma3) -> None:
         KeyRerotation()
     with pytest.raises(EdgekvError, match="sliding-window"):
         Session(gemma3, method=KeyRerotation(method=get_method("knorm")), budget=64, n_ctx=128, n_threads=2)
+
+
+def test_a_pending_context_shift_is_not_written_away(smollm2) -> None:
+    """llama.cpp's state blob does not carry a K-shift it has not applied yet: rewriting or
+    saving the cache before the next decode would leave the shifted keys at their old
+    rotation, so every engine verb that writes the blob refuses until a decode applies it."""
+    toks = smollm2.tokenize(TEXT)[:200]
+    with Session(smollm2, method="full", n_ctx=256, engine="native", n_threads=2) as s:
+        s.feed(toks)
+        delta = s.engine.shift(4, 50)
+        s.n_past -= delta
+        keep = np.broadcast_to(np.arange(100, s.engine.n_cells), (smollm2.arch.n_layer, smollm2.arch.n_head_kv,
+                                                                   s.engine.n_cells - 100))
+        for verb in (lambda: s.engine.compact(keep), s.engine.renumber, s.engine.save):
+            with pytest.raises(EdgekvError, match="decode before"):
+                verb()
+        s.feed(smollm2.tokenize(" The keeper", add_special=False))  # applies the K-shift
+        s.engine.compact(np.concatenate([keep, np.broadcast_to(np.arange(s.engine.n_cells - 2, s.engine.n_cells),
+                                                                keep.shape[:2] + (2,))], axis=2))
+        assert s.engine.n_cells == keep.shape[2] + 2

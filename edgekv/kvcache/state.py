@@ -59,6 +59,9 @@ class StateEngine:
         # "merge": numpy over the blob; "queries": the context's tensor capture can record
         # the observation window
         self.capabilities = frozenset({"merge", "queries"} if ctx.capture is not None else {"merge"})
+        # llama.cpp applies a context shift's K-shift at the next decode, and its state blob
+        # does not carry a pending one: rewriting the blob before then would lose it
+        self._shift_pending = False
 
     # -- accounting ------------------------------------------------------------
     @property
@@ -68,6 +71,7 @@ class StateEngine:
     def decode(self, tokens: list[int], start_pos: int, *, all_logits: bool = False) -> None:
         """Decode tokens at start_pos.. into the sequence and count the cells they take."""
         self.ctx.decode(tokens, start_pos, all_logits=all_logits, seq=self.seq)
+        self._shift_pending = False
         self.tokens.n_cells += len(tokens)
         if self.window is None:
             return
@@ -141,6 +145,7 @@ class StateEngine:
         rot[:, :, n_keep:] -= delta  # llama.cpp's K-shift moves these keys down
         self.tokens.set(snap.token_pos[:, :, keep], rot=rot)
         self.tokens.pos_shift += delta
+        self._shift_pending = True
         if self.tally is not None:
             self.tally.compact(keep)
         if self.window is not None:  # its positions and RoPE phases belong to the old numbering
@@ -154,6 +159,7 @@ class StateEngine:
         delta for the next token. Methods still see original token positions; the
         observation window is cleared (its queries carry the old rotation)."""
         rope = Rope.of(self.ctx.model)  # refuses what it cannot reproduce before anything changes
+        self._writable()
         st = self._parse()
         sec = st.sections[0]
         n, n_layer, H, dk = sec.n_cells, len(sec.layers), self.n_kv_head, self.head_dim_k
@@ -189,11 +195,17 @@ class StateEngine:
     def reset(self) -> None:
         """Empty the sequence (llama.cpp's cells and the token map)."""
         self.ctx.seq_rm(self.seq, -1, -1)
+        self._shift_pending = False
         self.tokens.reset()
         if self.window is not None:
             self.window.clear()
         if self.tally is not None:
             self.tally.clear()
+
+    def _writable(self) -> None:
+        if self._shift_pending:
+            raise EdgekvError("the cache has a context shift llama.cpp applies at the next decode, which its "
+                              "state blob does not carry; decode before compacting, merging, renumbering or saving")
 
     # -- parsing ---------------------------------------------------------------
     def _parse(self) -> layout.SeqState:
@@ -248,6 +260,7 @@ class StateEngine:
 
     # -- verbs -----------------------------------------------------------------
     def compact(self, keep: np.ndarray) -> None:
+        self._writable()
         st = self._parse()
         sec = st.sections[0]
         order = np.argsort(sec.pos, kind="stable")
@@ -270,6 +283,7 @@ class StateEngine:
         if bias:
             raise EdgekvError("attention that weighs merged cells by their counts (the log-count bias) needs "
                               "the native engine; the state engine merges without it")
+        self._writable()
         st = self._parse()
         sec = st.sections[0]
         order = np.argsort(sec.pos, kind="stable")
@@ -300,6 +314,7 @@ class StateEngine:
         self._compacted(pos, keep)
 
     def save(self) -> CacheState:
+        self._writable()
         blob = self.ctx.state_get(self.seq)
         st = layout.parse_seq_state(blob, n_caches=self.n_caches, n_layers=None)
         sec = st.sections[0]
@@ -335,6 +350,7 @@ class StateEngine:
         if state.rot is not None and state.rot.shape != state.token_pos.shape:
             raise StateLayoutError("saved key rotations do not match the saved cells")
         self.ctx.state_set(state.blob, self.seq)
+        self._shift_pending = False
         self.tokens.set(state.token_pos, state.counts, state.rot)
         self.tokens.pos_shift = state.pos_shift
         if state.window is not None and self.window is None and "queries" in self.capabilities:
