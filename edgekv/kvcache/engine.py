@@ -339,10 +339,9 @@ class TokenMap:
     def compacted(self, pos_sorted: np.ndarray, n_layer: int, keep: np.ndarray) -> None:
         """Track a compaction to ``keep`` (checked indices into the position-sorted cells)."""
         counts = self.full_counts(n_layer, pos_sorted.shape[0])
-        rot = None if self.rot is None and not self.pos_shift else self.full_rot(pos_sorted, n_layer)
         self.set(np.take_along_axis(self.full(pos_sorted, n_layer), keep, axis=2),
                  None if counts is None else np.take_along_axis(counts, keep, axis=2),
-                 None if rot is None else np.take_along_axis(rot, keep, axis=2))
+                 np.take_along_axis(self.full_rot(pos_sorted, n_layer), keep, axis=2))
 
 
 def check_keep(keep: np.ndarray, n_layer: int, n_kv_head: int, n_cells: int) -> np.ndarray:

@@ -77,7 +77,10 @@ class Rope:
         for i in range(1, half):  # ggml: theta *= theta_scale, pair by pair, in float32
             theta[..., i] = theta[..., i - 1] * theta_scale
         theta *= np.float32(self.freq_scale)
-        cos, sin = np.cos(theta), np.sin(theta)
+        # cos/sin in float64, rounded once: what libm's cosf/sinf give ggml, whatever SIMD
+        # kernels numpy's float32 cos/sin dispatch to on this CPU
+        t = theta.astype(np.float64)
+        cos, sin = np.cos(t).astype(np.float32), np.sin(t).astype(np.float32)
         if self.mode == ROPE_NORM:
             x0, x1 = k[..., 0 : self.n_rot : 2].copy(), k[..., 1 : self.n_rot : 2].copy()
             k[..., 0 : self.n_rot : 2] = x0 * cos - x1 * sin

@@ -319,10 +319,10 @@ class StateEngine:
         st = layout.parse_seq_state(blob, n_caches=self.n_caches, n_layers=None)
         sec = st.sections[0]
         pos = np.sort(sec.pos)
-        rot = self.tokens.full_rot(pos, len(sec.layers)) if self.tokens.rot is not None else None
-        return CacheState(blob=blob, token_pos=self.tokens.full(pos, len(sec.layers)), engine=self.name,
+        token_pos, rot = self.tokens.full(pos, len(sec.layers)), self.tokens.full_rot(pos, len(sec.layers))
+        return CacheState(blob=blob, token_pos=token_pos, engine=self.name,
                           counts=self.tokens.full_counts(len(sec.layers), sec.n_cells),
-                          rot=rot, pos_shift=self.tokens.pos_shift,
+                          rot=None if np.array_equal(rot, token_pos) else rot, pos_shift=self.tokens.pos_shift,
                           window=self.window.copy() if self.window is not None else None,
                           tally=(self.tally.scores.astype(np.float32)
                                  if self.tally is not None and self.tally.complete else None))
