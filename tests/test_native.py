@@ -102,7 +102,10 @@ def test_compaction_in_any_order_is_the_same_on_both_paths(smollm2, toks, ck, cv
     ctx.close()
 
 
-@pytest.mark.parametrize(("ck", "cv", "fa"), CONFIGS, ids=IDS)
+READ_CONFIGS = CONFIGS + [("f16", "bf16", "off"), ("f16", "f32", "off")]  # every type a transposed V can have
+
+
+@pytest.mark.parametrize(("ck", "cv", "fa"), READ_CONFIGS, ids=[f"{k}-{v}-fa_{fa}" for k, v, fa in READ_CONFIGS])
 def test_native_read_matches_state_snapshot(smollm2, toks, ck, cv, fa) -> None:
     ctx = _ctx(smollm2, ck, cv, fa)
     state, native = StateEngine(ctx), NativeEngine(ctx)

@@ -117,37 +117,50 @@ def _channel_std(cur, mn, inv, ddof):  # pragma: no cover - compiled
 def _member_scores(z, h, members, count, ref, n_ref, ddof):  # pragma: no cover - compiled
     """Eqs. 5-8 for one partition of one head: the softmax over its ``count`` members
     (cells ``members``) of their channel std, normalised by the per-channel min and max
-    over the ``n_ref`` reference cells ``ref``; no reference: uniform. z [n, H, d]."""
+    over the ``n_ref`` reference cells ``ref``; no reference: uniform. z [n, H, d].
+
+    Laid out for SIMD without changing a bit of the result: the normalised members are
+    held channel-major, so the loops run over channels outside and tokens inside; each
+    token still adds its channels in order (the float64 sums of a per-token loop), but
+    neighbouring tokens' sums are independent lanes."""
     d = z.shape[2]
     sd = np.zeros(count)
-    mn = np.empty(d)
-    inv = np.empty(d)
+    lo = np.full(d, np.inf)
+    hi = np.full(d, -np.inf)
+    bad = np.zeros(d, dtype=np.bool_)
+    for r in range(n_ref):
+        row = z[ref[r], h]
+        for c in range(d):
+            x = np.float64(row[c])
+            bad[c] |= x != x  # numpy's min and max propagate NaN: the channel scores NaN
+            lo[c] = x if x < lo[c] else lo[c]
+            hi[c] = x if x > hi[c] else hi[c]
     n_nan = 0
+    inv = np.empty(d)
     for c in range(d):
-        lo = np.inf
-        hi = -np.inf
-        for r in range(n_ref):
-            x = np.float64(z[ref[r], h, c])
-            if np.isnan(x):  # numpy's min and max propagate NaN: the channel scores NaN
-                lo = hi = np.nan
-                n_nan += 1
-                break
-            lo = min(lo, x)
-            hi = max(hi, x)
-        mn[c] = lo
-        inv[c] = 1.0 / max(hi - lo, EPS) if not np.isnan(lo) else np.nan
+        if bad[c]:
+            lo[c] = np.nan
+            n_nan += 1
+        inv[c] = 1.0 / max(hi[c] - lo[c], EPS) if not bad[c] else np.nan
     if n_ref > 0 and n_nan < d:  # else no reference (or none usable): uniform
-        zz = np.empty(d)
+        x = np.empty((d, count))
         for i in range(count):
-            m = 0.0
+            row = z[members[i], h]
             for c in range(d):
-                zz[c] = (z[members[i], h, c] - mn[c]) * inv[c]
-                m += zz[c]
-            m /= d
-            v = 0.0
-            for c in range(d):
-                v += (zz[c] - m) * (zz[c] - m)
-            sd[i] = np.sqrt(v / (d - ddof))
+                x[c, i] = (row[c] - lo[c]) * inv[c]
+        m = np.zeros(count)
+        for c in range(d):
+            for i in range(count):
+                m[i] += x[c, i]
+        for i in range(count):
+            m[i] /= d
+        v = np.zeros(count)
+        for c in range(d):
+            for i in range(count):
+                t = x[c, i] - m[i]
+                v[i] += t * t
+        for i in range(count):
+            sd[i] = np.sqrt(v[i] / (d - ddof))
             if np.isnan(sd[i]):
                 sd[i] = -np.inf  # only from non-finite K/V: rank lowest
     top = -np.inf
