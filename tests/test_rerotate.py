@@ -136,10 +136,49 @@ def test_methods_still_see_original_positions(smollm2, tmp_path, method: str, en
         assert r.engine.snapshot().token_pos[0, 0, -1] == len(toks) + len(nxt) - 1
 
 
+@pytest.mark.parametrize("engine", ["state", "native"])
+def test_a_limit_renumbers_only_once_positions_reach_it(smollm2, engine: str) -> None:
+    """knorm+rerotate@N: compressions below N keep original positions (no re-rotation);
+    the first compression at which the next position has reached N renumbers to 0..n-1."""
+    toks = smollm2.tokenize(TEXT * 3)[:900]
+    limit = 500
+    with Session(smollm2, method=f"knorm+rerotate@{limit}", budget=160, n_ctx=256, chunk=64, engine=engine,
+                 n_threads=2) as s:
+        assert s.method.name == f"knorm+rerotate@{limit}" and s.method.limit == limit
+        seen = []  # (next position before the compression, positions moved by it)
+        orig = s.method.compress
+
+        def spy(engine_, target, *, scheduled=False):
+            nxt = engine_.ctx.pos_max() + 1
+            moved = orig(engine_, target, scheduled=scheduled)
+            seen.append((nxt, engine_.ctx.pos_max() + 1 - nxt))
+            return moved
+
+        s.method.compress = spy
+        s.feed(toks)
+        assert len(seen) >= 4
+        for nxt, delta in seen:
+            if nxt < limit:
+                assert delta == 0  # original positions kept
+            else:
+                assert nxt + delta == s.engine.n_cells if (nxt, delta) == seen[-1] else nxt + delta <= 160
+                assert delta < 0  # renumbered down to the cells
+        assert any(nxt < limit for nxt, _ in seen) and any(nxt >= limit for nxt, _ in seen)
+        # positions pass the limit by at most the room between compressions
+        assert s.ctx.pos_max() + 1 == s.n_past <= limit + 256 - 160
+        assert max(nxt for nxt, _ in seen) <= limit + 256 - 160
+        tp = s.engine.snapshot().token_pos
+        assert tp.max() == len(toks) - 1
+        s.feed(smollm2.tokenize(" The keeper", add_special=False))
+        assert "".join(s.generate(6)).strip()
+
+
 def test_what_cannot_be_renumbered_is_refused(gemma3) -> None:
     assert get_method("knorm+rerotate", window=8).method.window == 8
+    assert get_method("knorm+rerotate@6144").limit == 6144
     for bad, why in (("context_shift+rerotate", "already moves positions"), ("knorm+shift", "unknown method suffix"),
-                     ("nope+rerotate", "unknown method 'nope'")):
+                     ("nope+rerotate", "unknown method 'nope'"), ("knorm+rerotate@", "whole number"),
+                     ("knorm+rerotate@-5", "whole number"), ("knorm+rerotate@1e4", "whole number")):
         with pytest.raises(EdgekvError, match=why):
             get_method(bad)
     with pytest.raises(EdgekvError, match="wraps a method instance"):

@@ -38,12 +38,18 @@ WRAPPERS: dict[str, type[Method]] = {"rerotate": KeyRerotation}
 
 def get_method(name: str, **params: object) -> Method:
     """A configured instance; unknown names and parameters are one-line errors.
-    ``knorm+rerotate`` is knorm wrapped in ``KeyRerotation`` (parameters go to knorm)."""
+    ``knorm+rerotate`` is knorm wrapped in ``KeyRerotation`` (parameters go to knorm);
+    ``knorm+rerotate@6144`` sets the wrapper's one argument (``limit``)."""
     base, plus, suffix = name.partition("+")
     if plus:
+        suffix, at, arg = suffix.partition("@")
         if suffix not in WRAPPERS:
             raise EdgekvError(f"unknown method suffix {suffix!r} in {name!r}; available: +{', +'.join(WRAPPERS)}")
-        return WRAPPERS[suffix](method=get_method(base, **params))
+        if not at:
+            return WRAPPERS[suffix](method=get_method(base, **params))
+        if not arg.isdigit():
+            raise EdgekvError(f"{name!r}: the number after '@' must be a whole number of positions, got {arg!r}")
+        return WRAPPERS[suffix](method=get_method(base, **params), limit=int(arg))
     cls = METHODS.get(name)
     if cls is None:
         raise EdgekvError(f"unknown method {name!r}; available: {', '.join(METHODS)}")

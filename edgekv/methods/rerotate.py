@@ -1,4 +1,5 @@
-"""``NAME+rerotate``: a method whose cells are renumbered 0..n-1 after each compression."""
+"""``NAME+rerotate``: a method whose cells are renumbered 0..n-1 after each compression
+(``NAME+rerotate@N``: only once the next position has reached N)."""
 
 from __future__ import annotations
 
@@ -26,13 +27,21 @@ class KeyRerotation(Method):
     32k, past a small model's trained context. With it, every distance stays below
     the cache size, at the price of telling the model evicted tokens never were.
     Models whose RoPE the host cannot reproduce are refused by name: sliding-window
-    models when the session starts, YaRN or frequency factors before the first eviction."""
+    models when the session starts, YaRN or frequency factors before the first eviction.
+
+    ``limit`` (``NAME+rerotate@N``) renumbers only at a compression where the next
+    position has reached N, so positions stay below about N plus one chunk: every
+    distance stays exact until then, and the re-rotation runs once per N - n cells
+    of text instead of at every compression (it costs as much as a compression).
+    0 (the default) renumbers after every compression that evicts, as kvpress does."""
 
     # what ``edgekv methods`` says of NAME+rerotate
     about: ClassVar[str] = ("NAME, then the cells renumbered 0..n-1 after each compression, every head's keys "
-                            "re-rotated to match (for documents past the trained context)")
+                            "re-rotated to match (for documents past the trained context); NAME+rerotate@N: "
+                            "only once the next position reaches N")
 
     method: Method | None = None
+    limit: int = 0
 
     def __post_init__(self) -> None:
         # (a default only because the base's fields have defaults; a method is required)
@@ -40,17 +49,20 @@ class KeyRerotation(Method):
             raise EdgekvError("KeyRerotation wraps a method instance, e.g. KeyRerotation(get_method('knorm'))")
         if self.method.shifts_positions:
             raise EdgekvError(f"{self.method.name} already moves positions itself; it takes no re-rotation")
+        if not isinstance(self.limit, int) or isinstance(self.limit, bool) or self.limit < 0:
+            raise EdgekvError(f"the re-rotation limit must be a position >= 0 (NAME+rerotate@N), got {self.limit!r}")
         # what the Session's budget checks read: the wrapped method's
         self.sinks, self.window = self.method.sinks, self.method.window
 
     # the wrapped method answers everything but the positions
     @property
     def name(self) -> str:  # type: ignore[override]
-        return f"{self.method.name}+rerotate"
+        return f"{self.method.name}+rerotate" + (f"@{self.limit}" if self.limit else "")
 
     @property
     def summary(self) -> str:  # type: ignore[override]
-        return f"{self.method.summary}; positions renumbered 0..n-1 after each compression"
+        when = f"once the next position reaches {self.limit}" if self.limit else "after each compression"
+        return f"{self.method.summary}; positions renumbered 0..n-1 {when}"
 
     @property
     def compresses(self) -> bool:  # type: ignore[override]
@@ -69,7 +81,7 @@ class KeyRerotation(Method):
         return self.method.queries_needed
 
     def params(self) -> dict[str, object]:
-        return {**self.method.params(), "rerotate": True}
+        return {**self.method.params(), "rerotate": True, **({"rerotate_limit": self.limit} if self.limit else {})}
 
     def bind(self, budget: int | None, ratio: float | None) -> None:
         self.method.bind(budget, ratio)
@@ -96,6 +108,6 @@ class KeyRerotation(Method):
         Rope.of(engine.ctx.model)  # a model it cannot re-rotate is refused before anything is evicted
         before = engine.n_cells
         moved = self.method.compress(engine, target, scheduled=scheduled)
-        if engine.n_cells >= before:
+        if engine.n_cells >= before or engine.ctx.pos_max() + 1 < self.limit:
             return moved
         return moved + engine.renumber()
