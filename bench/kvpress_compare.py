@@ -278,13 +278,32 @@ def report(out: Path) -> str:
     have: dict[tuple, set[str]] = {}
     for r in rows:
         have.setdefault((r["method"], r["ratio"], r["task"], r["sample"]), set()).add(r["impl"])
-    cells: dict[tuple, list[float]] = {}
+    # score per (method, ratio, impl) -> {(task, sample): score}, complete samples only
+    scores: dict[tuple, dict[tuple, float]] = {}
     for r in rows:
         if have[(r["method"], r["ratio"], r["task"], r["sample"])] == impls[(r["method"], r["ratio"])]:
-            cells.setdefault((r["method"], r["ratio"], r["impl"]), []).append(r["score"])
-    lines = ["| method | ratio | impl | accuracy % | n |", "|---|---:|---|---:|---:|"]
-    for (m, ratio, impl), v in sorted(cells.items()):
-        lines.append(f"| {m} | {ratio:g} | {impl} | {100 * sum(v) / len(v):.1f} | {len(v)} |")
+            scores.setdefault((r["method"], r["ratio"], r["impl"]), {})[(r["task"], r["sample"])] = r["score"]
+    variants = ["edgekv", "edgekv as kvpress"]
+    lines = ["Accuracy % over the same prompts; agree = share of prompts where edgekv's score equals kvpress's.",
+             "", "| method | ratio | n | kvpress | edgekv (agree) | edgekv as kvpress (agree) |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for m, ratio in sorted({(m, ratio) for m, ratio, _ in scores}):
+        ref = scores.get((m, ratio, "kvpress"), {})
+        cols = []
+        for impl in variants:
+            got = scores.get((m, ratio, impl))
+            if not got:
+                cols.append("–")
+                continue
+            acc = 100 * sum(got.values()) / len(got)
+            if ref:
+                agree = 100 * sum(got[k] == ref[k] for k in got) / len(got)
+                cols.append(f"{acc:.1f} ({agree:.0f} %)")
+            else:
+                cols.append(f"{acc:.1f}")
+        n = len(ref) or max(len(scores.get((m, ratio, i), {})) for i in variants)
+        kv = f"{100 * sum(ref.values()) / len(ref):.1f}" if ref else "–"
+        lines.append(f"| {m} | {ratio:g} | {n} | {kv} | {cols[0]} | {cols[1]} |")
     ov = out / "overlap.json"
     if ov.is_file():
         data = json.loads(ov.read_text())["overlap"]

@@ -74,7 +74,7 @@ ModelArg = Annotated[
 MethodOpt = Annotated[str, typer.Option("--method", "-m", help=(
     "Compression method (`edgekv methods`). NAME+rerotate also renumbers the cells 0..n-1 after each "
     "compression, re-rotating every head's keys: for documents past the model's trained context; "
-    "NAME+rerotate@N only once the next position reaches N."))]
+    "NAME+rerotate@N only at compressions where the next position has reached N."))]
 BudgetOpt = Annotated[int | None, typer.Option(help=BUDGET_HELP)]
 RatioOpt = Annotated[float | None, typer.Option(help=RATIO_HELP)]
 NCtxOpt = Annotated[

@@ -145,44 +145,53 @@ def test_a_limit_renumbers_only_once_positions_reach_it(smollm2, engine: str) ->
     with Session(smollm2, method=f"knorm+rerotate@{limit}", budget=160, n_ctx=256, chunk=64, engine=engine,
                  n_threads=2) as s:
         assert s.method.name == f"knorm+rerotate@{limit}" and s.method.limit == limit
-        seen = []  # (next position before the compression, positions moved by it)
+        seen = []  # (next position before the compression, positions moved by it, cells after it)
         orig = s.method.compress
 
         def spy(engine_, target, *, scheduled=False):
             nxt = engine_.ctx.pos_max() + 1
             moved = orig(engine_, target, scheduled=scheduled)
-            seen.append((nxt, engine_.ctx.pos_max() + 1 - nxt))
+            seen.append((nxt, engine_.ctx.pos_max() + 1 - nxt, engine_.n_cells))
+            if nxt >= limit:  # renumbered: the cells hold exactly the positions 0..n-1
+                assert np.array_equal(np.sort(engine_.cell_positions()), np.arange(engine_.n_cells))
             return moved
 
         s.method.compress = spy
         s.feed(toks)
         assert len(seen) >= 4
-        for nxt, delta in seen:
+        for nxt, delta, cells in seen:
             if nxt < limit:
                 assert delta == 0  # original positions kept
             else:
-                assert nxt + delta == s.engine.n_cells if (nxt, delta) == seen[-1] else nxt + delta <= 160
-                assert delta < 0  # renumbered down to the cells
-        assert any(nxt < limit for nxt, _ in seen) and any(nxt >= limit for nxt, _ in seen)
+                assert delta < 0 and nxt + delta == cells == 160  # renumbered down to the cells
+        assert any(nxt < limit for nxt, *_ in seen) and any(nxt >= limit for nxt, *_ in seen)
         # positions pass the limit by at most the room between compressions
         assert s.ctx.pos_max() + 1 == s.n_past <= limit + 256 - 160
-        assert max(nxt for nxt, _ in seen) <= limit + 256 - 160
+        assert max(nxt for nxt, *_ in seen) <= limit + 256 - 160
         tp = s.engine.snapshot().token_pos
         assert tp.max() == len(toks) - 1
         s.feed(smollm2.tokenize(" The keeper", add_special=False))
         assert "".join(s.generate(6)).strip()
 
 
-def test_what_cannot_be_renumbered_is_refused(gemma3) -> None:
+def test_method_names_with_a_suffix_parse_and_round_trip() -> None:
     assert get_method("knorm+rerotate", window=8).method.window == 8
-    assert get_method("knorm+rerotate@6144").limit == 6144
+    m = get_method("knorm+rerotate@6144")
+    assert m.limit == 6144 and get_method(m.name).name == m.name == "knorm+rerotate@6144"
+    assert get_method("knorm+rerotate@0").name == "knorm+rerotate"  # 0: after every compression
     for bad, why in (("context_shift+rerotate", "already moves positions"), ("knorm+shift", "unknown method suffix"),
                      ("nope+rerotate", "unknown method 'nope'"), ("knorm+rerotate@", "whole number"),
-                     ("knorm+rerotate@-5", "whole number"), ("knorm+rerotate@1e4", "whole number")):
+                     ("knorm+rerotate@-5", "whole number"), ("knorm+rerotate@1e4", "whole number"),
+                     ("knorm+rerotate@\u00b2", "whole number"), ("knorm+rerotate@\u0663", "whole number")):
         with pytest.raises(EdgekvError, match=why):
             get_method(bad)
     with pytest.raises(EdgekvError, match="wraps a method instance"):
         KeyRerotation()
+    with pytest.raises(EdgekvError, match="limit must be a position"):
+        KeyRerotation(method=get_method("knorm"), limit=-1)
+
+
+def test_what_cannot_be_renumbered_is_refused(gemma3) -> None:
     with pytest.raises(EdgekvError, match="sliding-window"):
         Session(gemma3, method=KeyRerotation(method=get_method("knorm")), budget=64, n_ctx=128, n_threads=2)
 

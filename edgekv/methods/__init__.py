@@ -47,7 +47,7 @@ def get_method(name: str, **params: object) -> Method:
             raise EdgekvError(f"unknown method suffix {suffix!r} in {name!r}; available: +{', +'.join(WRAPPERS)}")
         if not at:
             return WRAPPERS[suffix](method=get_method(base, **params))
-        if not arg.isdigit():
+        if not (arg.isascii() and arg.isdigit()):
             raise EdgekvError(f"{name!r}: the number after '@' must be a whole number of positions, got {arg!r}")
         return WRAPPERS[suffix](method=get_method(base, **params), limit=int(arg))
     cls = METHODS.get(name)

@@ -29,16 +29,17 @@ class KeyRerotation(Method):
     Models whose RoPE the host cannot reproduce are refused by name: sliding-window
     models when the session starts, YaRN or frequency factors before the first eviction.
 
-    ``limit`` (``NAME+rerotate@N``) renumbers only at a compression where the next
-    position has reached N, so positions stay below about N plus one chunk: every
-    distance stays exact until then, and the re-rotation runs once per N - n cells
-    of text instead of at every compression (it costs as much as a compression).
-    0 (the default) renumbers after every compression that evicts, as kvpress does."""
+    ``limit`` (``NAME+rerotate@N``) renumbers only at compressions where the next
+    position has reached N, so positions stay below N plus the room between two
+    compressions: every distance stays exact until then, and the re-rotation (a
+    state round trip, several times the cost of a compression) runs once per
+    N - n tokens of text instead of at every compression. 0 (the default)
+    renumbers after every compression that evicts, as kvpress does."""
 
     # what ``edgekv methods`` says of NAME+rerotate
     about: ClassVar[str] = ("NAME, then the cells renumbered 0..n-1 after each compression, every head's keys "
                             "re-rotated to match (for documents past the trained context); NAME+rerotate@N: "
-                            "only once the next position reaches N")
+                            "only at compressions where the next position has reached N")
 
     method: Method | None = None
     limit: int = 0
@@ -61,7 +62,7 @@ class KeyRerotation(Method):
 
     @property
     def summary(self) -> str:  # type: ignore[override]
-        when = f"once the next position reaches {self.limit}" if self.limit else "after each compression"
+        when = f"whenever the next position has reached {self.limit}" if self.limit else "after each compression"
         return f"{self.method.summary}; positions renumbered 0..n-1 {when}"
 
     @property
