@@ -194,6 +194,30 @@ def test_compiled_ranks_equal_the_reference_scores(seed: int) -> None:
         assert np.array_equal(rank[h], want)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_compiled_ranks_equal_the_reference_on_non_finite_and_constant_channels(seed: int) -> None:
+    # the kernel's NaN policy (a NaN in the reference spoils its channel; non-finite
+    # tokens rank lowest), constant channels and infinite values, against numpy's Eqs. 5-9
+    rng = np.random.default_rng(100 + seed)
+    H, q, L, d = 2, 3, 16, 8
+    K = rng.standard_normal(((q + 1) * L, H, d)).astype(np.float32)
+    V = rng.standard_normal(((q + 1) * L, H, d)).astype(np.float32)
+    K[:, 0, 3] = 0.25  # a constant channel in head 0
+    K[L + 2, 1, 5] = np.nan  # a NaN in partition 1: partition 0's reference channel 5 and a token of 1
+    V[3, 0, 1] = np.inf  # an infinite member
+    V[2 * L: 3 * L, 1, 0] = -np.inf  # a reference channel all -inf (partition 1 against 2)
+    if seed % 2:
+        K[3 * L:, 0] = np.nan  # the last reference all NaN: partition 2 scores uniformly in K
+    cells = np.arange((q + 1) * L, dtype=np.int64).reshape(q + 1, L)
+    rank = partition_ranks(K, V, np.ascontiguousarray(np.broadcast_to(cells[:q], (H, q, L))), cells[q])
+    with np.errstate(invalid="ignore", over="ignore"):
+        for h in range(H):
+            kb, vb = K[:, h].reshape(q + 1, L, d), V[:, h].reshape(q + 1, L, d)
+            s = lag_scores(kb[:-1], kb[1:]) + lag_scores(vb[:-1], vb[1:])
+            want = np.argsort(np.argsort(-s, axis=-1, kind="stable"), axis=-1, kind="stable")
+            assert np.array_equal(rank[h], want), h
+
+
 # -- incremental == one-shot -----------------------------------------------------
 
 
