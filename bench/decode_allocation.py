@@ -30,14 +30,6 @@ from pathlib import Path
 import numpy as np
 
 
-def _decode(sess, n: int) -> float:
-    """Seconds for n greedy tokens."""
-    t0 = time.perf_counter()
-    for _ in range(n):
-        sess.feed([int(np.argmax(sess.logits()))])
-    return time.perf_counter() - t0
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -50,7 +42,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench/results/decode_allocation.jsonl"))
     a = ap.parse_args()
 
-    from edgekv.bench.speed import long_text_tokens
+    from edgekv.bench.speed import _decode, long_text_tokens
     from edgekv.llama import Model
     from edgekv.models import resolve_model
     from edgekv.session import Session
@@ -76,7 +68,7 @@ def main() -> None:
         t = dict.fromkeys(sessions, 0.0)
         for _ in range(0, a.tokens, 8):
             for k, s in sessions.items():
-                t[k] += _decode(s, 8)
+                t[k] += 8 / _decode(s, 8)  # greedy tokens fed back; _decode returns tok/s
         for k in sessions:
             secs[k].append(t[k])
     out = {k: round(a.tokens / float(np.median(v)), 2) for k, v in secs.items()}

@@ -131,10 +131,10 @@ def _member_scores(z, h, members, count, ref, n_ref, ddof):  # pragma: no cover 
     for r in range(n_ref):
         row = z[ref[r], h]
         for c in range(d):
-            x = np.float64(row[c])
-            bad[c] |= x != x  # numpy's min and max propagate NaN: the channel scores NaN
-            lo[c] = x if x < lo[c] else lo[c]
-            hi[c] = x if x > hi[c] else hi[c]
+            val = np.float64(row[c])
+            bad[c] |= val != val  # numpy's min and max propagate NaN: the channel scores NaN
+            lo[c] = val if val < lo[c] else lo[c]
+            hi[c] = val if val > hi[c] else hi[c]
     n_nan = 0
     inv = np.empty(d)
     for c in range(d):
