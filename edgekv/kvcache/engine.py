@@ -339,9 +339,11 @@ class TokenMap:
     def compacted(self, pos_sorted: np.ndarray, n_layer: int, keep: np.ndarray) -> None:
         """Track a compaction to ``keep`` (checked indices into the position-sorted cells)."""
         counts = self.full_counts(n_layer, pos_sorted.shape[0])
+        # while no key was rotated off its token's position, the rotations are the positions
+        rotated = self.rot is not None or self.pos_shift != 0
         self.set(np.take_along_axis(self.full(pos_sorted, n_layer), keep, axis=2),
                  None if counts is None else np.take_along_axis(counts, keep, axis=2),
-                 np.take_along_axis(self.full_rot(pos_sorted, n_layer), keep, axis=2))
+                 np.take_along_axis(self.full_rot(pos_sorted, n_layer), keep, axis=2) if rotated else None)
 
 
 def check_keep(keep: np.ndarray, n_layer: int, n_kv_head: int, n_cells: int) -> np.ndarray:
