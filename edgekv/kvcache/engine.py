@@ -54,7 +54,9 @@ class KVSnapshot:
     _k: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
     _v: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
     # the native engine reads one layer's K (and V, when asked) on demand, in position order
-    _read: Callable[[int, bool], tuple[np.ndarray, np.ndarray | None]] | None = field(default=None, repr=False)
+    # (layer, keys, values) -> (K or None, V or None): a device read of what is asked for
+    _read: Callable[[int, bool, bool], tuple[np.ndarray | None, np.ndarray | None]] | None = field(
+        default=None, repr=False)
     # the observation window (queries of the newest tokens) when the engine records one
     queries: QueryWindow | None = None
     kq_scale: float = 0.0
@@ -162,7 +164,7 @@ class KVSnapshot:
     def keys(self, layer: int) -> np.ndarray:
         """float32 [n_cells, n_kv_head, head_dim_k] (post-RoPE, as cached)."""
         if layer not in self._k and self._read is not None:
-            self._k[layer] = self._read(layer, False)[0]  # keys only: scorers rarely need values
+            self._k[layer] = self._read(layer, True, False)[0]  # keys only: scorers rarely need values
         if layer not in self._k:
             ld = self._section.layers[layer]
             n_embd = self.n_kv_head * self.head_dim_k
@@ -173,7 +175,9 @@ class KVSnapshot:
     def values(self, layer: int) -> np.ndarray:
         """float32 [n_cells, n_kv_head, head_dim_v]."""
         if layer not in self._v and self._read is not None:
-            self._k[layer], self._v[layer] = self._read(layer, True)
+            k, self._v[layer] = self._read(layer, layer not in self._k, True)  # K once only
+            if k is not None:
+                self._k[layer] = k
         if layer not in self._v:
             ld = self._section.layers[layer]
             n_embd = self.n_kv_head * self.head_dim_v
