@@ -327,7 +327,7 @@ class NativeEngine:
         out[..., np.argsort(self.cell_positions(), kind="stable")] = a
         return out
 
-    def read(self, layer: int, cell_order: bool = False, keys: bool = True,
+    def read(self, layer: int, cell_order: bool = False, *, keys: bool = True,
              values: bool = True) -> tuple[np.ndarray | None, np.ndarray | None]:
         """Layer ``layer``'s K (None unless ``keys``) and V (None unless ``values``) as stored
         (rotated when llama.cpp rotates them): float32 [n_kv_head, n_cells, head_dim], cells
