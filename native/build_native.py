@@ -47,6 +47,7 @@ int32_t llama_edgekv_seq_read(struct llama_context * ctx, llama_seq_id seq_id, i
 int32_t llama_edgekv_seq_score(struct llama_context * ctx, llama_seq_id seq_id, int32_t n_head, int32_t n_q,
                               const float * q, const llama_pos * q_pos, float kq_scale,
                               const int32_t * layers, int32_t n_layers, float * out, int32_t n);
+int32_t llama_edgekv_seq_key_sqnorms(struct llama_context * ctx, llama_seq_id seq_id, float * out, int32_t n);
 """
 
 
@@ -103,7 +104,7 @@ def build() -> Path:
     return _compile(
         "_edgekv_native", CDEF,
         '#include "llama-edgekv.h"\n'
-        "#if LLAMA_EDGEKV_API_VERSION < 4\n#error edgekv needs patch set v4 or later\n#endif\n",
+        "#if LLAMA_EDGEKV_API_VERSION < 5\n#error edgekv needs patch set v5 or later\n#endif\n",
         ["llama"],
     )
 

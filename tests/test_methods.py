@@ -11,6 +11,7 @@ from edgekv.kvcache.engine import KVSnapshot, check_keep
 from edgekv.kvcache.queries import QueryWindow
 from edgekv.methods import METHODS
 from edgekv.methods import get_method as _get_method
+from edgekv.methods.base import top_k
 from edgekv.profiles import HeadProfile
 
 L, H, N, D = 3, 2, 200, 16
@@ -92,6 +93,20 @@ def test_knorm_keeps_lowest_key_norms_per_head() -> None:
             ref = np.argsort(norms[:-1], kind="stable")[:49]
             assert np.array_equal(keep[il, h], np.sort(np.append(ref, N - 1)))
     assert not np.array_equal(keep[0, 0], keep[0, 1])  # heads choose independently
+
+
+def test_top_k_keeps_what_a_stable_sort_keeps() -> None:
+    # the base's top-k is a partition; ties (few distinct scores), protected (+inf) and
+    # NaN-replaced (-inf) cells must land exactly where a stable argsort puts them
+    rng = np.random.default_rng(11)
+    for _ in range(500):
+        rows, n = int(rng.integers(1, 5)), int(rng.integers(1, 300))
+        k = int(rng.integers(1, n + 1))
+        s = rng.integers(0, 6, size=(rows, n)).astype(np.float64)
+        s[rng.random((rows, n)) < 0.1] = np.inf
+        s[rng.random((rows, n)) < 0.1] = -np.inf
+        ref = np.sort(np.argsort(-s, axis=1, kind="stable")[:, :k], axis=1)
+        assert np.array_equal(top_k(s, k), ref)
 
 
 def test_streaming_llm_is_sinks_plus_recent() -> None:

@@ -123,6 +123,25 @@ def test_native_read_matches_state_snapshot(smollm2, toks, ck, cv, fa) -> None:
     ctx.close()
 
 
+@pytest.mark.parametrize(("ck", "cv", "fa"), CONFIGS, ids=IDS)
+def test_device_key_norms_equal_host_sums(smollm2, toks, ck, cv, fa) -> None:
+    # knorm ranks by these norms, and near-ties (repetitive text) flip on a last bit:
+    # the device sums must be the state engine's floats exactly, not just close
+    ctx = _ctx(smollm2, ck, cv, fa)
+    state, native = StateEngine(ctx), NativeEngine(ctx)
+    prefill(native, toks)
+    state.tokens = native.tokens
+    keep = _keep(np.random.default_rng(7), smollm2.arch.n_layer, smollm2.arch.n_head_kv, native.n_cells, 100)
+    native.compact(keep)  # cells no longer in the order of their positions' heads
+    a, b = state.snapshot(), native.snapshot()
+    for layer in range(smollm2.arch.n_layer):
+        assert np.array_equal(b.key_norms(layer), a.key_norms(layer)), layer
+        ref = np.linalg.norm(a.keys(layer).astype(np.float64), axis=2).T  # the definition, on unrotated keys
+        np.testing.assert_allclose(a.key_norms(layer), ref, rtol=1e-5)
+    assert b.scored_layers == [] and not b._k  # no key was read back
+    ctx.close()
+
+
 def _duplicated(ctx: Context, eng: NativeEngine, toks: list[int], runs: dict[int, int]) -> tuple[bytes, np.ndarray]:
     """A cache where cell c is repeated runs[c] times (same K, V and position): the
     unmerged reference a merge of each run must reproduce."""
@@ -301,6 +320,9 @@ def test_bad_arguments_are_refused_and_cache_kept(smollm2, toks) -> None:
     assert lib.llama_edgekv_seq_compact(c, 0, 10, ffi.from_buffer("int32_t[]", keep), ffi.from_buffer("int32_t[]", pos)) == -2
     assert lib.llama_edgekv_seq_compact(c, 0, n + 1, ffi.from_buffer("int32_t[]", keep), ffi.from_buffer("int32_t[]", pos)) == -2
     assert lib.llama_edgekv_seq_read(c, 0, L, ffi.NULL, ffi.NULL, n) == -2
+    out = np.zeros(L * H * (n + 1), np.float32)
+    assert lib.llama_edgekv_seq_key_sqnorms(c, 0, ffi.from_buffer("float[]", out), n + 1) == -2
+    assert lib.llama_edgekv_seq_key_sqnorms(c, 0, ffi.NULL, n) == -2
     with pytest.raises(EdgekvError):
         eng._merge_groups(-np.ones((L, H, 1, 2), np.int64), np.ones((L, H, 1, 2), np.float32))
     with pytest.raises(EdgekvError, match="newest"):

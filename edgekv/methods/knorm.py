@@ -18,5 +18,4 @@ class Knorm(ScorerMethod):
     summary = "keep lowest key-norm tokens per layer and KV head (Devoto et al. 2024)"
 
     def score(self, snap: KVSnapshot, layer: int) -> np.ndarray:
-        k = snap.keys(layer)  # [n, H, d]
-        return -np.linalg.norm(k, axis=2).T
+        return -snap.key_norms(layer)
