@@ -14,6 +14,10 @@ Options:
 - ``--cpu avx2`` (or ``EDGEKV_CPU=avx2``): ``-DGGML_NATIVE=OFF`` with ggml's
   default x86-64 set (SSE3 SSSE3 AVX AVX2 F16C FMA BMI2), no AVX-512, so an
   AVX-512 machine runs the kernels an AVX2-only CPU (AMD EPYC here) runs.
+- ``--cuda``: ggml's CUDA backend too, for every architecture ggml lists;
+  ``--cuda-arch 86`` (or ``EDGEKV_CUDA_ARCH``) compiles one
+  (``CMAKE_CUDA_ARCHITECTURES``), which bounds the time: each architecture
+  compiles every kernel again.
 - ``--stock``: llama-cpp-python without the patch set, same flags (the
   baseline of ``bench/patch_overhead.py``).
 - ``--target DIR``: install the wheel into DIR (``pip install --target``)
@@ -23,7 +27,7 @@ Options:
   prefilled slower here than the CPU kernels (``bench/RESULTS.md``), so
   setup does not build it.
 
-Usage: python native/build_llama.py [--cuda] [--cpu native|avx2] [--stock]
+Usage: python native/build_llama.py [--cuda [--cuda-arch N]] [--cpu native|avx2] [--stock]
                                     [--install | --target DIR] [--print-key]
 """
 
@@ -94,6 +98,8 @@ def cmake_flags(cuda: bool, cpu: str = "native") -> list[str]:
     flags = list(BASE_FLAGS) + CPU_FLAGS[cpu]
     if cuda:
         flags += CUDA_FLAGS
+        if os.environ.get("EDGEKV_CUDA_ARCH"):
+            flags += [f"-DCMAKE_CUDA_ARCHITECTURES={os.environ['EDGEKV_CUDA_ARCH']}"]
     if os.environ.get("EDGEKV_BLAS") == "1":
         flags += BLAS_FLAGS
     if shutil.which("ccache"):
@@ -185,6 +191,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cuda", action="store_true", default=os.environ.get("EDGEKV_CUDA") == "1",
                     help="build the CUDA backend too (or EDGEKV_CUDA=1)")
+    ap.add_argument("--cuda-arch", default=os.environ.get("EDGEKV_CUDA_ARCH"),
+                    help="with --cuda: one CUDA architecture, e.g. 86 (or EDGEKV_CUDA_ARCH)")
     ap.add_argument("--cpu", choices=sorted(CPU_FLAGS), default=os.environ.get("EDGEKV_CPU", "native"),
                     help="native: -march=native (default); avx2: an AVX2-only CPU's kernels (or EDGEKV_CPU=avx2)")
     ap.add_argument("--stock", action="store_true", help="without ggml_patches/ (a baseline to compare against)")
@@ -194,6 +202,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.cpu not in CPU_FLAGS:
         sys.exit(f"[edgekv build] unknown --cpu/EDGEKV_CPU {a.cpu!r}; use {' or '.join(CPU_FLAGS)}")
+    if a.cuda_arch:
+        os.environ["EDGEKV_CUDA_ARCH"] = a.cuda_arch
     if a.print_key:
         print(build_key(a.cuda, a.cpu, a.stock))
         return

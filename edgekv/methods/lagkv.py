@@ -355,7 +355,8 @@ class LagKV(Method):
         members = np.ascontiguousarray(np.broadcast_to(cells[:q], (n_head, q, L)))
         sel = np.empty((n_layer, n_head, q, k), dtype=np.int64)
         for layer in range(n_layer):
-            rank = partition_ranks(snap.keys(layer), snap.values(layer), members, cells[q])
+            v = snap.values(layer)  # first: K comes with it, one device read instead of two
+            rank = partition_ranks(snap.keys(layer), v, members, cells[q])
             # the top k of each partition (ties: the earlier token), in token order
             sel[layer] = np.sort(np.argsort(rank, axis=-1, kind="stable")[..., :k], axis=-1) + cells[:q, :1]
         head = np.broadcast_to(np.arange(c0), (n_layer, n_head, c0))
@@ -383,7 +384,8 @@ class LagKV(Method):
             members = np.full((n_head, f, width), -1, dtype=np.int64)  # cells of each partition, in order
             hh, jj = np.nonzero(g[layer] >= 0)
             members[hh, g[layer][hh, jj], pos_in[layer][hh, jj]] = keep[layer][hh, jj]
-            rank = partition_ranks(snap.keys(layer), snap.values(layer), members,
+            v = snap.values(layer)  # K comes with it (one read)
+            rank = partition_ranks(snap.keys(layer), v, members,
                                  np.ascontiguousarray(keep[layer][0, last], dtype=np.int64))
             rho[layer][hh, jj] = rank[hh, g[layer][hh, jj], pos_in[layer][hh, jj]]
         return rho
