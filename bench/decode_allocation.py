@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench/results/decode_allocation.jsonl"))
     a = ap.parse_args()
 
-    from edgekv.bench.speed import _decode, long_text_tokens
+    from edgekv.bench.speed import decode_rate, long_text_tokens
     from edgekv.llama import Model
     from edgekv.models import resolve_model
     from edgekv.session import Session
@@ -68,7 +68,7 @@ def main() -> None:
         t = dict.fromkeys(sessions, 0.0)
         for _ in range(0, a.tokens, 8):
             for k, s in sessions.items():
-                t[k] += 8 / _decode(s, 8)  # greedy tokens fed back; _decode returns tok/s
+                t[k] += 8 / decode_rate(s, 8)  # greedy tokens fed back; decode_rate returns tok/s
         for k in sessions:
             secs[k].append(t[k])
     out = {k: round(a.tokens / float(np.median(v)), 2) for k, v in secs.items()}

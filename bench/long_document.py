@@ -8,8 +8,9 @@ cells, and the full cache where it fits in RAM (``--full``).
 
 Per method: ingest wall time and tok/s, peak RSS (the process's high-water
 mark, reset before each ingest), KV MiB, compressions; per needle: its depth
-and whether the answer holds the number; and the perplexity of a
-``--ppl-tokens`` passage of the haystack's book read after the document.
+and whether the answer holds the number; the perplexity of a
+``--ppl-tokens`` passage of the haystack's book read after the document; and
+the decode speed after the document (``--decode-tokens`` greedy tokens).
 A method named ``NAME+rerotate`` renumbers positions after each compression
 (docs/methods.md), keeping every distance within the cache.
 
@@ -56,6 +57,7 @@ def main() -> None:
     ap.add_argument("--full", action="store_true", help="also the full cache (n_ctx = the document)")
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--ppl-tokens", type=int, default=256, help="passage read after the document (perplexity)")
+    ap.add_argument("--decode-tokens", type=int, default=64, help="greedy tokens decoded after the document (tok/s)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=OUT)
@@ -79,7 +81,7 @@ def main() -> None:
     from edgekv.bench.results import machine
     from edgekv.bench.runner import feed_logits, generate_answer, model_label, stop_rule
     from edgekv.bench.scoring import log_softmax_at, perplexity, score
-    from edgekv.bench.speed import proc_status, reset_peak_rss
+    from edgekv.bench.speed import decode_rate, proc_status, reset_peak_rss
     from edgekv.llama import Model
     from edgekv.models import edgekv_home, resolve_model
     from edgekv.session import Session
@@ -111,7 +113,8 @@ def main() -> None:
         mine = [r for r in load_rows(rows_path) if same(r) and r["method"] == m]
         done = {r["needle"] for r in mine if r["kind"] == "needle"}
         ppl_done = any(r["kind"] == "ppl" and r["ppl_tokens"] == len(passage) for r in mine)
-        if len(done) == a.needles and ppl_done:
+        decode_done = any(r["kind"] == "decode" for r in mine)
+        if len(done) == a.needles and ppl_done and decode_done:
             log(f"{m}: done")
             continue
         if m == "full":
@@ -174,6 +177,15 @@ def main() -> None:
                 with open(rows_path, "a", encoding="utf-8") as f:
                     f.write(json.dumps(row) + "\n")
                 log(f"{m}: perplexity {row['ppl']} over a {len(passage)}-token passage after the document")
+            if not decode_done:
+                # what answering costs per token once the document is in: the cache's cells decide it
+                sess.restore(saved)
+                rate = decode_rate(sess, a.decode_tokens)
+                row = {**base, "kind": "decode", "method": m, "decode_tokens": a.decode_tokens,
+                       "cells": sess.engine.n_cells, "decode_tok_s": round(rate, 2)}
+                with open(rows_path, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(row) + "\n")
+                log(f"{m}: decode {rate:.1f} tok/s after the document ({row['cells']} cells)")
     report(load_rows(rows_path), a.out / "report.md")
 
 
@@ -187,7 +199,7 @@ def report(rows: list[dict], path: Path) -> None:
         rs = [r for r in rows if (r["model"], r["tokens"], r["budget"], r["needles"], r["seed"]) == g]
         lines += [f"## {g[0]}, {g[1]}-token document, {g[2]}-cell budget, {g[3]} needles", "",
                   "| method | ingest s | tok/s | peak RSS MiB | KV MiB (allocated) | compressions | accuracy % "
-                  "| found at depths | passage ppl |", "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+                  "| found at depths | passage ppl | decode tok/s |", "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
         for m in dict.fromkeys(r["method"] for r in rs):
             ing = next((r for r in reversed(rs) if r["method"] == m and r["kind"] == "ingest"), None)  # the latest
             nd = sorted((r for r in rs if r["method"] == m and r["kind"] == "needle"), key=lambda r: r["depth"])
@@ -196,9 +208,10 @@ def report(rows: list[dict], path: Path) -> None:
             acc = 100 * sum(r["score"] for r in nd) / len(nd)
             found = ", ".join(f"{r['depth']:.2f}" for r in nd if r["score"] > 0) or "none"
             ppl = next((f"{r['ppl']:.2f}" for r in reversed(rs) if r["method"] == m and r["kind"] == "ppl"), "")
+            dec = next((f"{r['decode_tok_s']:.1f}" for r in reversed(rs) if r["method"] == m and r["kind"] == "decode"), "")
             lines.append(f"| {m} | {ing['ingest_s']:.0f} | {ing['ingest_tok_s']:.0f} | {ing['peak_rss_mib']:.0f} "
                          f"| {ing['kv_mib']:.1f} ({ing['kv_allocated_mib']:.1f}) | {ing['compressions']} "
-                         f"| {acc:.0f} ({len(nd)} needles) | {found} | {ppl} |")
+                         f"| {acc:.0f} ({len(nd)} needles) | {found} | {ppl} | {dec} |")
         lines.append("")
     path.write_text("\n".join(lines))
     log(f"wrote {path}")

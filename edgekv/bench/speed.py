@@ -94,7 +94,7 @@ def _prefix(paras: list[str], chars: int) -> list[str]:
     return out
 
 
-def _decode(sess, n: int) -> float:
+def decode_rate(sess, n: int) -> float:
     """Greedy decode of n tokens (argmax fed back; no stop at end-of-text); tok/s."""
     t0 = time.perf_counter()
     for _ in range(n):
@@ -110,8 +110,8 @@ def _decode_pair(a, b, n: int, block: int = 8) -> tuple[float, float]:
     ta = tb = 0.0
     for i in range(0, n, block):
         k = min(block, n - i)
-        ta += k / _decode(a, k)
-        tb += k / _decode(b, k)
+        ta += k / decode_rate(a, k)
+        tb += k / decode_rate(b, k)
     return n / ta, n / tb
 
 
@@ -201,7 +201,7 @@ def _one(model, label, ct, fa, length, grid: SpeedGrid, Session, METHODS, log) -
         pre = protocol.prefill(sess, toks)
         prefill_s, n_prompt = pre.seconds, pre.n_cells
         per_cell = sess.stats.kv_bytes_per_cell
-        dec = _decode(sess, grid.decode_tokens)
+        dec = decode_rate(sess, grid.decode_tokens)
         rows.append({**base, "mode": "oneshot", "method": "full", "ratio": 0.0, "prefill_s": round(prefill_s, 3),
                      "prefill_tok_s": round(length / prefill_s, 1), "decode_tok_s": round(dec, 2),
                      "cells": n_prompt, "kv_bytes": n_prompt * per_cell, "kv_bytes_allocated": n_ctx * per_cell,
@@ -260,7 +260,7 @@ def _one(model, label, ct, fa, length, grid: SpeedGrid, Session, METHODS, log) -
             sess.feed(toks)
             total = time.perf_counter() - t0
             s = sess.stats
-            dec = _decode(sess, grid.decode_tokens)
+            dec = decode_rate(sess, grid.decode_tokens)
             ev = max(s.compressions, 1)
             rows.append({**base, "mode": "stream", "method": m, "ratio": grid.ratio, "budget": budget,
                          "n_ctx": sess.capacity, "cells": s.cells, "kv_bytes": s.cells * s.kv_bytes_per_cell,
