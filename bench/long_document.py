@@ -113,7 +113,7 @@ def main() -> None:
         mine = [r for r in load_rows(rows_path) if same(r) and r["method"] == m]
         done = {r["needle"] for r in mine if r["kind"] == "needle"}
         ppl_done = any(r["kind"] == "ppl" and r["ppl_tokens"] == len(passage) for r in mine)
-        decode_done = any(r["kind"] == "decode" for r in mine)
+        decode_done = any(r["kind"] == "decode" and r["decode_tokens"] == a.decode_tokens for r in mine)
         if len(done) == a.needles and ppl_done and decode_done:
             log(f"{m}: done")
             continue
@@ -180,9 +180,11 @@ def main() -> None:
             if not decode_done:
                 # what answering costs per token once the document is in: the cache's cells decide it
                 sess.restore(saved)
+                cells = sess.engine.n_cells
+                sess.feed([ctx_tokens[-1]])  # logits to continue from (a restore drops them)
                 rate = decode_rate(sess, a.decode_tokens)
                 row = {**base, "kind": "decode", "method": m, "decode_tokens": a.decode_tokens,
-                       "cells": sess.engine.n_cells, "decode_tok_s": round(rate, 2)}
+                       "cells": cells, "decode_tok_s": round(rate, 2)}
                 with open(rows_path, "a", encoding="utf-8") as f:
                     f.write(json.dumps(row) + "\n")
                 log(f"{m}: decode {rate:.1f} tok/s after the document ({row['cells']} cells)")

@@ -202,6 +202,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.cpu not in CPU_FLAGS:
         sys.exit(f"[edgekv build] unknown --cpu/EDGEKV_CPU {a.cpu!r}; use {' or '.join(CPU_FLAGS)}")
+    if a.cuda_arch and not a.cuda:
+        sys.exit("[edgekv build] --cuda-arch needs --cuda (or EDGEKV_CUDA=1)")
     if a.cuda_arch:
         os.environ["EDGEKV_CUDA_ARCH"] = a.cuda_arch
     if a.print_key:

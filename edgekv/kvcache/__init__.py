@@ -55,7 +55,7 @@ def engine_summary() -> str:
                     "this edgekv needs (rerun scripts/setup.sh)")
         if api_version():
             return (f"engine: native (libllama carries edgekv patch set v{v}; compaction, merge with "
-                    "log-count bias, read and score run where the cache lives; iSWA caches use the state engine)")
+                    "log-count bias, read, key norms and score run where the cache lives; iSWA caches use the state engine)")
         return (f"engine: state (portable); libllama carries edgekv patch set v{v} but the cffi bindings "
                 "are not built (run native/build_native.py)")
     return "engine: state (portable; stock libllama without edgekv's patch set)"

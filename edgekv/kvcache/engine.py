@@ -218,9 +218,12 @@ class KVSnapshot:
 def key_sqnorms(x: np.ndarray) -> np.ndarray:
     """float32 sums of squares over the last axis, computed as ggml's CPU backend does
     (``sqr`` then ``sum_rows``): float32 squares added in order in float64, rounded
-    once to float32. np.cumsum adds in order, where np.sum would pair."""
-    sq = np.square(np.asarray(x, np.float32), dtype=np.float32).astype(np.float64)
-    return np.cumsum(sq, axis=-1)[..., -1].astype(np.float32)
+    once to float32."""
+    x = np.asarray(x, np.float32)
+    acc = np.zeros(x.shape[:-1], np.float64)
+    for j in range(x.shape[-1]):  # in channel order; np.sum would add in pairs
+        acc += np.square(x[..., j], dtype=np.float32)
+    return acc.astype(np.float32)
 
 
 def hadamard(n: int) -> np.ndarray:
