@@ -11,7 +11,9 @@ the cells per (layer, KV head) (knorm selection, timed separately). The
 references are memory copies: of the sequence's state blob (the K/V bytes plus a
 little metadata), and of the bytes a compaction moves (the kept half), on one
 thread and on the sessions' threads, which the host path shares its tensors out
-over; the faster of the two is the bound. Engines and paths take turns on every repeat.
+over; the faster of the two is the bound. And the same gather outside llama.cpp (numpy
+fancy indexing, one thread), what the access pattern itself costs. Engines and paths take
+turns on every repeat.
 
     .venv/bin/python bench/compaction.py --sizes 512,1024,2048,4096
 writes bench/results/compaction.json and compaction.png.
@@ -43,6 +45,23 @@ def copy_threads(src: np.ndarray, dst: np.ndarray, pool: ThreadPoolExecutor, k: 
         f.result()
 
 
+def gather_reference(keep: np.ndarray, n: int, k_row: int, v_row: int, v_trans: bool, v_el: int):
+    """The same gather outside llama.cpp: numpy fancy indexing (one thread) of each (layer,
+    head)'s kept rows, K and V, from arrays of the cache's shape into new ones; a transposed
+    V gathers single elements of each channel row. What the access pattern alone costs."""
+    L, H, _ = keep.shape
+    li, hi = np.arange(L)[:, None, None], np.arange(H)[None, :, None]
+    k = np.zeros((L, n, H), np.dtype((np.void, k_row)))  # one item per row: numpy moves it whole
+    if not v_trans:
+        v = np.zeros((L, n, H), np.dtype((np.void, v_row)))
+        return lambda: (k[li, keep, hi], v[li, keep, hi])
+    d = v_row // v_el  # channels per head
+    v = np.zeros((L, H * d, n), np.uint16 if v_el == 2 else np.uint32)
+    vkeep = np.repeat(keep, d, axis=1)  # [L, H*d, B]: each channel row gathers its head's cells
+    ci = np.arange(H * d)[None, :, None]
+    return lambda: (k[li, keep, hi], v[li, ci, vkeep])
+
+
 def timeit(fn, repeat: int) -> float:
     ts = []
     for _ in range(repeat):
@@ -66,6 +85,7 @@ def main() -> None:
 
     from rich.progress import Progress
 
+    from edgekv.ggml_types import row_size, type_by_name
     from edgekv.llama import UNQUANTISED_V
     from edgekv.methods import get_method
     from edgekv.models import resolve_model
@@ -115,15 +135,22 @@ def main() -> None:
                 with ThreadPoolExecutor(max(1, threads - 1)) as pool:
                     t_moved = {k: timeit(lambda k=k, src=moved, dst=out, pool=pool: copy_threads(src, dst, pool, k),
                                          a.repeat * 4) for k in (1, threads)}
+                eng = next(iter(sessions.values())).engine
+                k_row = row_size(type_by_name(ct).id, eng.head_dim_k)
+                v_el = 2 if fa == "off" else 0  # a transposed V is f16 here (quantised V needs flash attention)
+                v_row = row_size(type_by_name(ct).id, eng.head_dim_v) if fa == "on" else eng.head_dim_v * v_el
+                t_gather = timeit(gather_reference(keep, n, k_row, v_row, fa == "off", v_el), a.repeat * 2)
                 for e, sess in sessions.items():
                     snap = sess.engine.snapshot() if e != "native-graph" else None
                     row = {"engine": e, "cache_type": ct, "flash_attn": fa, "v_trans": fa == "off",
                            "cells": n, "blob_bytes": blob.size, "compact_s": statistics.median(times[e]),
                            "memcpy_s": t_copy, "moved_bytes": moved.size, "threads": threads,
-                           "memcpy_moved_1t_s": t_moved[1], "memcpy_moved_nt_s": t_moved[threads]}
+                           "memcpy_moved_1t_s": t_moved[1], "memcpy_moved_nt_s": t_moved[threads],
+                           "gather_numpy_1t_s": t_gather}
                     row["compact_over_memcpy"] = row["compact_s"] / t_copy
                     # the bound: the faster copy (on small sizes, the threads' start costs more)
                     row["compact_over_memcpy_moved"] = row["compact_s"] / min(t_moved.values())
+                    row["compact_over_gather"] = row["compact_s"] / t_gather
                     if snap is not None:  # a host snapshot and knorm's scores (the native one reads lazily)
                         method = get_method("knorm")
 
@@ -141,13 +168,15 @@ def main() -> None:
     plot(rows, RESULTS / f"{a.out}.png")
     print(f"wrote {out}")
     print(f"{'engine':13s} {'type':5s} {'V':6s} {'cells':>6s} {'MB':>6s} {'compact ms':>11s} {'memcpy ms':>10s} "
-          f"{'moved MB':>9s} {'1t ms':>7s} {'Nt ms':>7s} {'ratio':>6s} {'snap+knorm ms':>14s}")
+          f"{'moved MB':>9s} {'1t ms':>7s} {'Nt ms':>7s} {'ratio':>6s} {'gather ms':>10s} {'ratio':>6s} "
+          f"{'snap+knorm ms':>14s}")
     for r in rows:
         sk = r.get("snapshot_select_knorm_s")
         print(f"{r['engine']:13s} {r['cache_type']:5s} {'trans' if r['v_trans'] else 'rows':6s} {r['cells']:6d} "
               f"{r['blob_bytes'] / 1e6:6.1f} {1e3 * r['compact_s']:11.2f} {1e3 * r['memcpy_s']:10.3f} "
               f"{r['moved_bytes'] / 1e6:9.1f} {1e3 * r['memcpy_moved_1t_s']:7.2f} {1e3 * r['memcpy_moved_nt_s']:7.2f} "
-              f"{r['compact_over_memcpy_moved']:6.2f} {'' if sk is None else f'{1e3 * sk:14.1f}'}")
+              f"{r['compact_over_memcpy_moved']:6.2f} {1e3 * r['gather_numpy_1t_s']:10.2f} "
+              f"{r['compact_over_gather']:6.2f} {'' if sk is None else f'{1e3 * sk:14.1f}'}")
 
 
 def plot(rows: list[dict], path: Path) -> None:
