@@ -46,20 +46,27 @@ def copy_threads(src: np.ndarray, dst: np.ndarray, pool: ThreadPoolExecutor, k: 
 
 
 def gather_reference(keep: np.ndarray, n: int, k_row: int, v_row: int, v_trans: bool, v_el: int):
-    """The same gather outside llama.cpp: numpy fancy indexing (one thread) of each (layer,
-    head)'s kept rows, K and V, from arrays of the cache's shape into new ones; a transposed
-    V gathers single elements of each channel row. What the access pattern alone costs."""
+    """The same gather outside llama.cpp: ``np.take`` (one thread) of each (layer, head)'s
+    kept rows, K and V, from arrays of the cache's shape into preallocated ones; a
+    transposed V gathers single elements of each channel row. What the access pattern
+    alone costs."""
     L, H, _ = keep.shape
     li, hi = np.arange(L)[:, None, None], np.arange(H)[None, :, None]
-    k = np.zeros((L, n, H), np.dtype((np.void, k_row)))  # one item per row: numpy moves it whole
+
+    def taker(src: np.ndarray, idx: np.ndarray):
+        out = np.empty(idx.size, src.dtype)
+        return lambda: np.take(src, idx, out=out)
+
+    rows = ((li * n + keep) * H + hi).ravel()  # row (layer, cell, head) of the flat tensors
+    k = taker(np.zeros(L * n * H, np.dtype((np.void, k_row))), rows)  # one item per row: moved whole
     if not v_trans:
-        v = np.zeros((L, n, H), np.dtype((np.void, v_row)))
-        return lambda: (k[li, keep, hi], v[li, keep, hi])
-    d = v_row // v_el  # channels per head
-    v = np.zeros((L, H * d, n), np.uint16 if v_el == 2 else np.uint32)
-    vkeep = np.repeat(keep, d, axis=1)  # [L, H*d, B]: each channel row gathers its head's cells
-    ci = np.arange(H * d)[None, :, None]
-    return lambda: (k[li, keep, hi], v[li, ci, vkeep])
+        v = taker(np.zeros(L * n * H, np.dtype((np.void, v_row))), rows)
+    else:
+        d = v_row // v_el  # channels per head; each channel row gathers its head's cells
+        ci = np.arange(H * d)[None, :, None]
+        v = taker(np.zeros(L * H * d * n, np.uint16 if v_el == 2 else np.uint32),
+                  ((li * H * d + ci) * n + np.repeat(keep, d, axis=1)).ravel())
+    return lambda: (k(), v())
 
 
 def timeit(fn, repeat: int) -> float:
