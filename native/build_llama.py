@@ -14,7 +14,9 @@ Options:
 - ``--cpu avx2`` (or ``EDGEKV_CPU=avx2``): ``-DGGML_NATIVE=OFF`` with ggml's
   default x86-64 set (SSE3 SSSE3 AVX AVX2 F16C FMA BMI2), no AVX-512, so an
   AVX-512 machine runs the kernels an AVX2-only CPU (AMD EPYC here) runs.
-- ``--cuda``: ggml's CUDA backend too, for every architecture ggml lists;
+- ``--cuda``: ggml's CUDA backend too, for every architecture ggml lists.
+  ggml-cuda links cuBLAS; a toolkit without it gets PyPI's ``nvidia-cublas``
+  (installed into this Python on first use, about 450 MB);
   ``--cuda-arch 86`` (or ``EDGEKV_CUDA_ARCH``) compiles one
   (``CMAKE_CUDA_ARCHITECTURES``), which bounds the time: each architecture
   compiles every kernel again.
@@ -34,12 +36,14 @@ Usage: python native/build_llama.py [--cuda [--cuda-arch N]] [--cpu native|avx2]
 from __future__ import annotations
 
 import argparse
+import ctypes.util
 import hashlib
 import os
 import platform
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import tempfile
 from pathlib import Path
@@ -94,10 +98,44 @@ def compiler_signature() -> str:
         return "?"
 
 
+def cuda_toolkit_flags() -> list[str]:
+    """ggml-cuda links cuBLAS and, for its memory pool, the driver library. A CUDA toolkit without it (nvcc and the runtime only, as on
+    this project's machines) gets it from PyPI's nvidia-cublas wheel, installed into this
+    Python on first use, and CMake is pointed at its headers and libraries. Without a
+    driver library (no GPU, no stubs) the pool is ggml's legacy one (GGML_CUDA_NO_VMM)."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        sys.exit("[edgekv build] --cuda needs nvcc (the CUDA toolkit) on PATH")
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=False).stdout
+    major = next((ln.split("release ")[1].split(".")[0] for ln in out.splitlines() if "release " in ln), "")
+    home = Path(os.environ.get("CUDA_HOME", Path(nvcc).resolve().parent.parent))
+    flags = []
+    if not list(home.glob("lib*/stubs/libcuda.so")) and ctypes.util.find_library("cuda") is None:
+        # no driver library to link (no GPU, no stubs): ggml's legacy memory pool needs none
+        flags.append("-DGGML_CUDA_NO_VMM=ON")
+    if any((home / d / "cublas_v2.h").exists() for d in ("include", "targets/x86_64-linux/include")):
+        return flags
+    site = Path(sysconfig.get_paths()["purelib"])
+    found = sorted(site.glob("nvidia/*/include/cublas_v2.h"))
+    if not found:
+        pkg = "nvidia-cublas" if major and int(major) >= 13 else f"nvidia-cublas-cu{major}"
+        log(f"the CUDA toolkit has no cuBLAS: installing {pkg} from PyPI (about 450 MB)")
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", f"{pkg}=={major}.*"], check=True)
+        found = sorted(site.glob("nvidia/*/include/cublas_v2.h"))
+    if not found:
+        sys.exit("[edgekv build] no cuBLAS headers in the CUDA toolkit or in nvidia-cublas")
+    inc = found[0].parent
+    lib = inc.parent / "lib"
+    libs = {n: next(iter(sorted(lib.glob(f"lib{n}.so*"))), None) for n in ("cublas", "cublasLt")}
+    if None in libs.values():
+        sys.exit(f"[edgekv build] cuBLAS libraries missing in {lib}")
+    return flags + [f"-DCMAKE_CUDA_FLAGS=-I{inc}"] + [f"-DCUDA_{n}_LIBRARY={p}" for n, p in libs.items()]
+
+
 def cmake_flags(cuda: bool, cpu: str = "native") -> list[str]:
     flags = list(BASE_FLAGS) + CPU_FLAGS[cpu]
     if cuda:
-        flags += CUDA_FLAGS
+        flags += CUDA_FLAGS + cuda_toolkit_flags()
         if os.environ.get("EDGEKV_CUDA_ARCH"):
             flags += [f"-DCMAKE_CUDA_ARCHITECTURES={os.environ['EDGEKV_CUDA_ARCH']}"]
     if os.environ.get("EDGEKV_BLAS") == "1":
