@@ -252,6 +252,20 @@ def test_grid_plan_and_resume_keys(tmp_path) -> None:
 
 
 @pytest.mark.slow
+def test_a_sweep_without_its_calibration_stops_before_any_row(smollm2_path, tmp_path, monkeypatch) -> None:
+    # a fresh machine has no CompressKV profile: the sweep must say so at once, not write
+    # hours of error rows that a resumed run would then take as done
+    import edgekv.profiles
+    from edgekv.bench.runner import RESULTS_FILE, Grid, load_rows, run_quality
+
+    monkeypatch.setattr(edgekv.profiles, "profile_path", lambda sha: tmp_path / "none" / f"{sha}.json")
+    grid = Grid(models=[str(smollm2_path)], methods=["full", "compresskv"], ratios=[0.5], lengths=[384],
+                tasks=["niah_single"], n=1, eval_tokens=8, threads=1, out=tmp_path)
+    with pytest.raises(EdgekvError, match="no CompressKV profile .*edgekv calibrate"):
+        run_quality(grid, log=lambda s: None)
+    assert load_rows(tmp_path / RESULTS_FILE) == []
+
+
 def test_tiny_sweep_end_to_end(smollm2_path, tmp_path) -> None:
     from typer.testing import CliRunner
 

@@ -383,6 +383,8 @@ def run_quality(grid: Grid, *, log: Callable[[str], None] | None = None) -> Path
                 if model_arg not in models:
                     p = resolve_model(model_arg)
                     models[model_arg] = (Model(p), model_label(model_arg, p))
+                    for m in methods:  # a missing calibration stops here, not as hours of error rows
+                        get_method(m).attach(models[model_arg][0].info)
                 model, label = models[model_arg]
                 fa = resolve_flash_attn(grid.flash_attn, ct, model.n_gpu_layers)
                 base = {"model": label, "cache_type": ct, "task": task, "length": length, "seed": grid.seed,
