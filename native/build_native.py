@@ -43,7 +43,7 @@ int32_t llama_edgekv_bias_enable(struct llama_context * ctx);
 bool    llama_edgekv_bias_enabled(struct llama_context * ctx);
 int32_t llama_edgekv_seq_bias_get(struct llama_context * ctx, llama_seq_id seq_id, float * bias, int32_t n);
 int32_t llama_edgekv_seq_bias_set(struct llama_context * ctx, llama_seq_id seq_id, const float * bias, int32_t n);
-int32_t llama_edgekv_seq_read(struct llama_context * ctx, llama_seq_id seq_id, int32_t il, float * k, float * v, int32_t n);
+int32_t llama_edgekv_seq_read(struct llama_context * ctx, llama_seq_id seq_id, int32_t il, int32_t n_layers, float * k, float * v, int32_t n);
 int32_t llama_edgekv_seq_score(struct llama_context * ctx, llama_seq_id seq_id, int32_t n_head, int32_t n_q,
                               const float * q, const llama_pos * q_pos, float kq_scale,
                               const int32_t * layers, int32_t n_layers, float * out, int32_t n);
@@ -104,7 +104,7 @@ def build() -> Path:
     return _compile(
         "_edgekv_native", CDEF,
         '#include "llama-edgekv.h"\n'
-        "#if LLAMA_EDGEKV_API_VERSION < 5\n#error edgekv needs patch set v5 or later\n#endif\n",
+        "#if LLAMA_EDGEKV_API_VERSION < 6\n#error edgekv needs patch set v6 or later\n#endif\n",
         ["llama"],
     )
 

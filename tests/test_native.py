@@ -14,6 +14,7 @@ from _helpers import prefill, run_cli
 
 from edgekv.errors import EdgekvError
 from edgekv.kvcache import CacheState, StateEngine, layout, native_available
+from edgekv.kvcache import engine as engine_mod
 from edgekv.kvcache.native import NativeEngine, load
 from edgekv.llama import Context
 from edgekv.session import Session
@@ -120,6 +121,37 @@ def test_native_read_matches_state_snapshot(smollm2, toks, ck, cv, fa) -> None:
             np.testing.assert_allclose(b.keys(layer), a.keys(layer), rtol=0, atol=1e-5)
         np.testing.assert_allclose(b.values(layer), a.values(layer), rtol=0, atol=1e-5)
         np.testing.assert_allclose(b.keys(layer), a.keys(layer), rtol=0, atol=1e-5)  # layer 0: read with V
+    ctx.close()
+
+
+@pytest.mark.parametrize(("ck", "cv", "fa"), [("f16", "f16", "off"), ("q8_0", "q8_0", "on"), ("f16", "bf16", "off")],
+                         ids=["f16-fa_off", "q8_0-fa_on", "f16-bf16-fa_off"])
+def test_a_read_of_many_layers_equals_reads_of_one(smollm2, toks, ck, cv, fa, monkeypatch) -> None:
+    # a read of a run of layers brings back the same floats as reads of one layer, and the
+    # host path (a cache in host memory) the same floats as the ggml graph
+    ctx = _ctx(smollm2, ck, cv, fa)
+    eng = NativeEngine(ctx)
+    prefill(eng, toks)
+    L = smollm2.arch.n_layer
+    eng.compact(_keep(np.random.default_rng(3), L, smollm2.arch.n_head_kv, eng.n_cells, 90))
+    k, v = eng.read(range(L))
+    for layer in range(L):
+        k1, v1 = eng.read(range(layer, layer + 1))
+        assert np.array_equal(k[layer], k1[0]) and np.array_equal(v[layer], v1[0])
+    kv, vv = eng.read(range(2, 5), keys=False)
+    assert kv is None and np.array_equal(vv, v[2:5])
+    monkeypatch.setenv("EDGEKV_GRAPH_OPS", "1")  # the graph GPUs run, against the host path
+    kg, vg = eng.read(range(L))
+    assert np.array_equal(kg, k) and np.array_equal(vg, v)
+    monkeypatch.delenv("EDGEKV_GRAPH_OPS")
+    whole = eng.snapshot()
+    monkeypatch.setattr(engine_mod, "READ_BYTES", 1)  # the snapshot then reads one layer per call
+    one = eng.snapshot()
+    for layer in range(L):
+        assert np.array_equal(whole.values(layer), one.values(layer))
+        assert np.array_equal(whole.keys(layer), one.keys(layer))
+    with pytest.raises(EdgekvError, match="consecutive"):
+        eng.read(range(0, L, 2))
     ctx.close()
 
 
@@ -319,7 +351,9 @@ def test_bad_arguments_are_refused_and_cache_kept(smollm2, toks) -> None:
     pos[4] = pos[3]  # not increasing
     assert lib.llama_edgekv_seq_compact(c, 0, 10, ffi.from_buffer("int32_t[]", keep), ffi.from_buffer("int32_t[]", pos)) == -2
     assert lib.llama_edgekv_seq_compact(c, 0, n + 1, ffi.from_buffer("int32_t[]", keep), ffi.from_buffer("int32_t[]", pos)) == -2
-    assert lib.llama_edgekv_seq_read(c, 0, L, ffi.NULL, ffi.NULL, n) == -2
+    assert lib.llama_edgekv_seq_read(c, 0, L, 1, ffi.NULL, ffi.NULL, n) == -2
+    assert lib.llama_edgekv_seq_read(c, 0, 1, L, ffi.NULL, ffi.NULL, n) == -2  # past the last layer
+    assert lib.llama_edgekv_seq_read(c, 0, 0, 0, ffi.NULL, ffi.NULL, n) == -2
     out = np.zeros(L * H * (n + 1), np.float32)
     assert lib.llama_edgekv_seq_key_sqnorms(c, 0, ffi.from_buffer("float[]", out), n + 1) == -2
     assert lib.llama_edgekv_seq_key_sqnorms(c, 0, ffi.NULL, n) == -2

@@ -28,6 +28,8 @@ from . import layout
 from .quant import dequantize
 from .queries import AttentionTally, QueryWindow, window_attention
 
+READ_BYTES = 32 << 20  # float32 K+V one native read brings back at most (its device output buffer)
+
 
 @dataclass
 class KVSnapshot:
@@ -53,9 +55,9 @@ class KVSnapshot:
     _v_rot: int = field(default=0, repr=False)
     _k: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
     _v: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
-    # the native engine reads one layer's K (and V, when asked) on demand, in position order
-    # (layer, keys, values) -> (K or None, V or None): a device read of what is asked for
-    _read: Callable[[int, bool, bool], tuple[np.ndarray | None, np.ndarray | None]] | None = field(
+    # the native engine reads K (and V, when asked) of a run of layers on demand, in position
+    # order: (layers, keys, values) -> (K or None, V or None), each one [n, H, d] per layer
+    _read: Callable[[range, bool, bool], tuple[list[np.ndarray] | None, list[np.ndarray] | None]] | None = field(
         default=None, repr=False)
     # the observation window (queries of the newest tokens) when the engine records one
     queries: QueryWindow | None = None
@@ -164,10 +166,22 @@ class KVSnapshot:
                    queries=queries, kq_scale=kq_scale or 1.0 / np.sqrt(dk), tally=tally,
                    counts=None if counts is None else np.asarray(counts, np.float32))
 
+    def _device_read(self, layer: int, keys: bool, values: bool) -> None:
+        """Read ``layer`` and the layers after it, up to ``READ_BYTES``, in one device call:
+        a graph run costs more than a small cache's rows, and scorers read every layer."""
+        per_layer = 4 * self.n_cells * self.n_kv_head * (keys * self.head_dim_k + values * self.head_dim_v)
+        layers = range(layer, min(self.n_layer, layer + max(1, READ_BYTES // max(per_layer, 1))))
+        k, v = self._read(layers, keys, values)
+        for i, at in enumerate(layers):
+            if k is not None:
+                self._k[at] = k[i]
+            if v is not None:
+                self._v[at] = v[i]
+
     def keys(self, layer: int) -> np.ndarray:
         """float32 [n_cells, n_kv_head, head_dim_k] (post-RoPE, as cached)."""
         if layer not in self._k and self._read is not None:
-            self._k[layer] = self._read(layer, True, False)[0]  # keys only: scorers rarely need values
+            self._device_read(layer, True, False)  # keys only: scorers rarely need values
         if layer not in self._k:
             ld = self._section.layers[layer]
             n_embd = self.n_kv_head * self.head_dim_k
@@ -200,9 +214,7 @@ class KVSnapshot:
     def values(self, layer: int) -> np.ndarray:
         """float32 [n_cells, n_kv_head, head_dim_v]."""
         if layer not in self._v and self._read is not None:
-            k, self._v[layer] = self._read(layer, layer not in self._k, True)  # K once only
-            if k is not None:
-                self._k[layer] = k
+            self._device_read(layer, layer not in self._k, True)  # K once only
         if layer not in self._v:
             ld = self._section.layers[layer]
             n_embd = self.n_kv_head * self.head_dim_v

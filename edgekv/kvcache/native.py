@@ -51,7 +51,7 @@ _ERRORS = {
 }
 
 
-NATIVE_API = 5  # the patch set version (LLAMA_EDGEKV_API_VERSION) these bindings are written for
+NATIVE_API = 6  # the patch set version (LLAMA_EDGEKV_API_VERSION) these bindings are written for
 
 
 class NativeUnsupported(EdgekvError):
@@ -231,11 +231,12 @@ class NativeEngine:
             d = x.shape[2]
             return _unrotate(x.reshape(n, H * d), rot).reshape(n, H, d)
 
-        def read(layer: int, keys: bool, values: bool) -> tuple[np.ndarray | None, np.ndarray | None]:
+        def read(layers: range, keys: bool, values: bool) -> tuple[np.ndarray | None, np.ndarray | None]:
             if self._gen != gen:
                 raise EdgekvError("the cache changed since this snapshot was taken; take a new one")
-            k, v = self.read(layer, cell_order=True, keys=keys, values=values)
-            return (None if k is None else cells_major(k, k_rot)), (None if v is None else cells_major(v, v_rot))
+            k, v = self.read(layers, cell_order=True, keys=keys, values=values)
+            return (None if k is None else [cells_major(x, k_rot) for x in k]), \
+                   (None if v is None else [cells_major(x, v_rot) for x in v])
 
         def score(q: np.ndarray, q_pos: np.ndarray, layer: int) -> np.ndarray:
             if self._gen != gen:
@@ -333,22 +334,24 @@ class NativeEngine:
         out[..., np.argsort(self.cell_positions(), kind="stable")] = a
         return out
 
-    def read(self, layer: int, cell_order: bool = False, *, keys: bool = True,
+    def read(self, layers: range, cell_order: bool = False, *, keys: bool = True,
              values: bool = True) -> tuple[np.ndarray | None, np.ndarray | None]:
-        """Layer ``layer``'s K (None unless ``keys``) and V (None unless ``values``) as stored
-        (rotated when llama.cpp rotates them): float32 [n_kv_head, n_cells, head_dim], cells
-        in position order unless ``cell_order``."""
-        n = self.n_cells
-        k = np.empty((self.n_kv_head, n, self.head_dim_k), np.float32) if keys else None
-        v = np.empty((self.n_kv_head, n, self.head_dim_v), np.float32) if values else None
-        if n and (keys or values):
-            self._check(self.lib.llama_edgekv_seq_read(self._c, self.seq, layer,
+        """K (None unless ``keys``) and V (None unless ``values``) of a run of layers as stored
+        (rotated when llama.cpp rotates them), in one device call: float32
+        [len(layers), n_kv_head, n_cells, head_dim], cells in position order unless ``cell_order``."""
+        n, m = self.n_cells, len(layers)
+        if m and layers.step != 1:
+            raise EdgekvError(f"read takes a run of consecutive layers, got {layers}")
+        k = np.empty((m, self.n_kv_head, n, self.head_dim_k), np.float32) if keys else None
+        v = np.empty((m, self.n_kv_head, n, self.head_dim_v), np.float32) if values else None
+        if n and m and (keys or values):
+            self._check(self.lib.llama_edgekv_seq_read(self._c, self.seq, layers.start, m,
                                                       self._f32(k) if keys else self.ffi.NULL,
                                                       self._f32(v) if values else self.ffi.NULL, n), "read")
         if not cell_order and n:
             order = np.argsort(self.cell_positions(), kind="stable")
-            k = None if k is None else k[:, order]
-            v = None if v is None else v[:, order]
+            k = None if k is None else k[..., order, :]
+            v = None if v is None else v[..., order, :]
         return k, v
 
     def key_sqnorms(self, cell_order: bool = False) -> np.ndarray:

@@ -71,12 +71,17 @@ llama.cpp) rank lowest. Ties go to the earlier token.
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 from numba import njit
 
 from ..errors import BudgetError
+from ..gguf_info import ModelInfo
 from ..kvcache.engine import KVSnapshot
 from .base import Method
 
@@ -173,7 +178,7 @@ def _member_scores(z, h, members, count, ref, n_ref, ddof):  # pragma: no cover 
     return e / tot if tot > 0 else np.zeros(count)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def partition_ranks(k, v, members, last):  # pragma: no cover - compiled
     """Rank (0 = best, ties to the earlier token) of every member of every compressed
     partition of one layer by the LagKV scores of K plus V, each partition against the
@@ -265,6 +270,32 @@ def retained_cells(n_tokens: int, sinks: int, L: int, k: int) -> int:
     return sinks + k * (u // L - 1) + L + u % L
 
 
+def _each_layer(snap: KVSnapshot, fn: Callable[[int], None]) -> None:
+    """``fn(layer)`` for every layer, on all of the host's cores: the compression runs
+    while llama.cpp's threads wait, and the scoring kernel releases the GIL. The K/V
+    reads happen here first, one caller at a time (a native read is a device call)."""
+    for layer in range(snap.n_layer):
+        snap.values(layer)  # V first: K comes with it, one device read instead of two
+        snap.keys(layer)
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="edgekv-lagkv")
+    for _ in _pool.map(fn, range(snap.n_layer)):  # re-raises a worker's exception
+        pass
+
+
+_pool: ThreadPoolExecutor | None = None
+
+
+@cache
+def _load_kernel() -> None:
+    """Load the compiled scoring kernel when a session attaches the method, not inside
+    its first compression: numba's first call in a process costs about half a second,
+    once (a chat or a server pays it at start-up, an ingest would pay it mid-document)."""
+    z = np.zeros((1, 2, 2), np.float32).transpose(1, 0, 2)  # [n, H, d] as the engines' views
+    partition_ranks(z, z, np.zeros((1, 1, 2), np.int64), np.zeros(2, np.int64))
+
+
 def _intact_start(tp: np.ndarray, T: int) -> int:
     """Smallest position P such that every head holds every token in [P, T)."""
     n = tp.shape[-1]
@@ -297,6 +328,9 @@ class LagKV(Method):
         self._budget: int | None = None
         self._r: float | None = None
         self._due_in = 0  # tokens until the next partition's successor completes
+
+    def attach(self, info: ModelInfo) -> None:
+        _load_kernel()
 
     # -- budget rule -----------------------------------------------------------
     @property
@@ -354,11 +388,13 @@ class LagKV(Method):
         cells = c0 + np.arange((q + 1) * L, dtype=np.int64).reshape(q + 1, L)
         members = np.ascontiguousarray(np.broadcast_to(cells[:q], (n_head, q, L)))
         sel = np.empty((n_layer, n_head, q, k), dtype=np.int64)
-        for layer in range(n_layer):
-            v = snap.values(layer)  # first: K comes with it, one device read instead of two
-            rank = partition_ranks(snap.keys(layer), v, members, cells[q])
+
+        def select_layer(layer: int) -> None:
+            rank = partition_ranks(snap.keys(layer), snap.values(layer), members, cells[q])
             # the top k of each partition (ties: the earlier token), in token order
             sel[layer] = np.sort(np.argsort(rank, axis=-1, kind="stable")[..., :k], axis=-1) + cells[:q, :1]
+
+        _each_layer(snap, select_layer)
         head = np.broadcast_to(np.arange(c0), (n_layer, n_head, c0))
         tail = np.broadcast_to(np.arange(c0 + q * L, n), (n_layer, n_head, n - c0 - q * L))
         return np.concatenate([head, sel.reshape(n_layer, n_head, q * k), tail], axis=2), f + q
@@ -380,14 +416,16 @@ class LagKV(Method):
         p0 = S + f * L
         last = slice(n - (T - p0), n - (T - min(T, p0 + L)))
         rho = np.full(tp.shape, -1, dtype=np.int64)
-        for layer in range(n_layer):
+
+        def rank_layer(layer: int) -> None:
             members = np.full((n_head, f, width), -1, dtype=np.int64)  # cells of each partition, in order
             hh, jj = np.nonzero(g[layer] >= 0)
             members[hh, g[layer][hh, jj], pos_in[layer][hh, jj]] = keep[layer][hh, jj]
-            v = snap.values(layer)  # K comes with it (one read)
-            rank = partition_ranks(snap.keys(layer), v, members,
-                                 np.ascontiguousarray(keep[layer][0, last], dtype=np.int64))
+            rank = partition_ranks(snap.keys(layer), snap.values(layer), members,
+                                   np.ascontiguousarray(keep[layer][0, last], dtype=np.int64))
             rho[layer][hh, jj] = rank[hh, g[layer][hh, jj], pos_in[layer][hh, jj]]
+
+        _each_layer(snap, rank_layer)
         return rho
 
     def _shrink(self, snap: KVSnapshot, keep: np.ndarray, tp: np.ndarray, f: int, T: int,
