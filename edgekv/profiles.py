@@ -3,7 +3,9 @@
 A profile belongs to one GGUF file: it is stored under
 ``$EDGEKV_HOME/profiles/<sha256 of the file>.json`` and found again by the
 same hash, so a renamed copy of the model finds it and a re-quantised one
-does not. ``edgekv calibrate MODEL`` writes it (``edgekv/calibrate.py``).
+does not. ``edgekv calibrate MODEL`` writes it (``edgekv/calibrate.py``). The
+registry models' profiles ship with edgekv (``models/profiles/``), made by the
+same command; a user's own calibration takes precedence.
 """
 
 from __future__ import annotations
@@ -58,6 +60,17 @@ def profile_path(sha256: str) -> Path:
     return edgekv_home() / "profiles" / f"{sha256}.json"
 
 
+def shipped_profile_path(sha256: str) -> Path | None:
+    """The profile edgekv ships for a registry model (``models/profiles/``, made by
+    ``edgekv calibrate`` with its defaults), so compresskv runs on a fresh machine; from
+    the wheel (``edgekv/_data``) or the source tree. None for any other file."""
+    here = Path(__file__).resolve().parent
+    for d in (here / "_data" / "profiles", here.parent / "models" / "profiles"):
+        if (d / f"{sha256}.json").is_file():
+            return d / f"{sha256}.json"
+    return None
+
+
 def save_profile(profile: HeadProfile, path: str | os.PathLike[str] | None = None) -> Path:
     """Write atomically to ``path`` (default: the model's profile location)."""
     path = Path(path) if path else profile_path(profile.sha256)
@@ -69,8 +82,14 @@ def save_profile(profile: HeadProfile, path: str | os.PathLike[str] | None = Non
 
 
 def load_profile(model_path: str | os.PathLike[str], path: str | os.PathLike[str] | None = None) -> HeadProfile:
-    """The profile of ``model_path`` (or the file ``path``); a clear error when there is none."""
-    p = Path(path) if path else profile_path(file_sha256(model_path))
+    """The profile of ``model_path`` (or the file ``path``): the user's own calibration first,
+    then the one shipped for registry models; a clear error when there is none."""
+    if path:
+        p = Path(path)
+    else:
+        sha = file_sha256(model_path)
+        p = profile_path(sha)
+        p = p if p.is_file() else shipped_profile_path(sha) or p
     if not p.is_file():
         name = Path(model_path).name
         raise EdgekvError(f"no CompressKV profile for {name}: run `edgekv calibrate {model_path}` once "

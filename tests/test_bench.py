@@ -259,6 +259,7 @@ def test_a_sweep_without_its_calibration_stops_before_any_row(smollm2_path, tmp_
     from edgekv.bench.runner import RESULTS_FILE, Grid, load_rows, run_quality
 
     monkeypatch.setattr(edgekv.profiles, "profile_path", lambda sha: tmp_path / "none" / f"{sha}.json")
+    monkeypatch.setattr(edgekv.profiles, "shipped_profile_path", lambda sha: None)  # a model edgekv ships none for
     grid = Grid(models=[str(smollm2_path)], methods=["full", "compresskv"], ratios=[0.5], lengths=[384],
                 tasks=["niah_single"], n=1, eval_tokens=8, threads=1, out=tmp_path)
     with pytest.raises(EdgekvError, match="no CompressKV profile .*edgekv calibrate"):

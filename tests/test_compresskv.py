@@ -107,3 +107,24 @@ def test_calibrate_cli_writes_a_profile(smollm2_path, tmp_path) -> None:
     assert scores.shape == (30, 9) and np.all(scores >= 0) and scores.max() > 0
     assert prof["sha256"] == file_sha256(smollm2_path)
     assert "top heads per layer" in r.stdout
+
+
+def test_every_registry_model_ships_its_profile(smollm2_path, tmp_path, monkeypatch) -> None:
+    # compresskv runs on a fresh machine: each registry model's profile ships, keyed by the
+    # model's sha256, and is found when the user has calibrated nothing
+    from edgekv.models import list_models
+    from edgekv.profiles import load_profile, shipped_profile_path
+
+    for spec in list_models():
+        p = shipped_profile_path(spec.sha256)
+        assert p is not None, f"no shipped CompressKV profile for {spec.name}"
+        prof = HeadProfile(**json.loads(p.read_text()))
+        assert prof.sha256 == spec.sha256 and prof.successful > 0
+        assert len(prof.scores) == len(prof.layers) and all(np.isfinite(prof.scores[0]))
+    monkeypatch.setenv("EDGEKV_HOME", str(tmp_path))
+    prof = load_profile(smollm2_path)
+    assert prof.sha256 == file_sha256(smollm2_path)
+    # a calibration of one's own takes precedence
+    mine = HeadProfile(**{**prof.__dict__, "runs": prof.runs + 1})
+    save_profile(mine)
+    assert load_profile(smollm2_path).runs == prof.runs + 1
