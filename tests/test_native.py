@@ -155,6 +155,28 @@ def test_a_read_of_many_layers_equals_reads_of_one(smollm2, toks, ck, cv, fa, mo
     ctx.close()
 
 
+def test_read_buffers_are_reused_only_once_released(smollm2, toks) -> None:
+    # reads land in pooled buffers (fresh pages cost more than the read): an array a
+    # snapshot handed out must never change under its holder, even after the cache does
+    ctx = _ctx(smollm2, "f16", "f16", "off")
+    eng = NativeEngine(ctx)
+    prefill(eng, toks)
+    L, H = smollm2.arch.n_layer, smollm2.arch.n_head_kv
+    held = eng.snapshot()
+    k0, v0 = held.keys(L - 1), held.values(L - 1)
+    copies = k0.copy(), v0.copy()
+    eng.compact(_keep(np.random.default_rng(2), L, H, eng.n_cells, 80))
+    other = eng.snapshot()
+    assert other.values(L - 1).shape[0] == 80 and not np.shares_memory(other.values(L - 1), v0)
+    assert np.array_equal(k0, copies[0]) and np.array_equal(v0, copies[1])
+    pooled = eng._buffers._pool
+    del held, k0, v0, other
+    again = eng.snapshot().values(0)  # nothing holds the earlier buffers: one is handed out again
+    assert any(np.shares_memory(again, b) for b in pooled)
+    assert sum(b.nbytes for b in eng._buffers._pool) <= eng._buffers.cap
+    ctx.close()
+
+
 @pytest.mark.parametrize(("ck", "cv", "fa"), CONFIGS, ids=IDS)
 def test_device_key_norms_equal_host_sums(smollm2, toks, ck, cv, fa) -> None:
     # knorm ranks by these norms, and near-ties (repetitive text) flip on a last bit:

@@ -17,6 +17,7 @@ without it, or on a cache the ops do not handle (iSWA, several sequences),
 from __future__ import annotations
 
 import ctypes
+import sys
 from dataclasses import replace
 from typing import Any
 
@@ -25,6 +26,7 @@ import numpy as np
 from ..errors import EdgekvError, StateLayoutError
 from ..llama import Context
 from .engine import (
+    READ_BYTES,
     CacheState,
     KVSnapshot,
     _unrotate,
@@ -52,6 +54,44 @@ _ERRORS = {
 
 
 NATIVE_API = 6  # the patch set version (LLAMA_EDGEKV_API_VERSION) these bindings are written for
+
+
+class ReadBuffers:
+    """float32 buffers for device reads, handed out again once nobody holds them.
+
+    On small machines, fresh pages cost more than the read itself: the first touch of
+    each page faults, and a snapshot of a 1k-cell cache reads tens of MB per
+    compression. A buffer is reused only when no array refers to it any more (its
+    reference count), so an array handed out never changes under its holder. At most
+    ``cap`` bytes are kept between reads."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        # what an idle buffer's reference count reads as, taken the way take() reads it
+        # (the pool's list, the loop variable, the call; it differs between Python versions)
+        self._pool: list[np.ndarray] = [np.empty(1, np.float32)]
+        self._idle_refs = [self._refs(b) for b in self._pool][0]
+        self._pool = []
+
+    @staticmethod
+    def _refs(b: np.ndarray) -> int:
+        return sys.getrefcount(b)
+
+    def take(self, shape: tuple[int, ...]) -> np.ndarray:
+        n = int(np.prod(shape))
+        free = [b for b in self._pool if b.size >= n and self._refs(b) <= self._idle_refs]
+        if free:
+            return min(free, key=lambda b: b.size)[:n].reshape(shape)
+        buf = np.empty(n + n // 8, np.float32)  # headroom: the cache grows between reads
+        kept = sum(b.nbytes for b in self._pool)
+        while self._pool and kept + buf.nbytes > self.cap:  # make room: drop unused buffers first
+            idle = [b for b in self._pool if self._refs(b) <= self._idle_refs]
+            drop = min(idle, key=lambda b: b.size) if idle else self._pool[0]
+            self._pool = [b for b in self._pool if b is not drop]
+            kept -= drop.nbytes
+        if kept + buf.nbytes <= self.cap:
+            self._pool.append(buf)
+        return buf[:n].reshape(shape)
 
 
 class NativeUnsupported(EdgekvError):
@@ -117,6 +157,7 @@ class NativeEngine:
         self.n_layer, n_head_kv, hk, hv, self.kv_size = (int(x) for x in out)
         self._gen = 0  # bumped whenever the cache changes; a snapshot reads lazily and must not outlive it
         self._biased = False  # attention adds log(counts): merged cells weigh what they stand for
+        self._buffers = ReadBuffers(2 * READ_BYTES)
         if (n_head_kv, hk, hv) != (self.n_kv_head, self.head_dim_k, self.head_dim_v):
             raise NativeUnsupported("native engine: the cache's geometry differs from the model's")
 
@@ -342,8 +383,8 @@ class NativeEngine:
         n, m = self.n_cells, len(layers)
         if m and layers.step != 1:
             raise EdgekvError(f"read takes a run of consecutive layers, got {layers}")
-        k = np.empty((m, self.n_kv_head, n, self.head_dim_k), np.float32) if keys else None
-        v = np.empty((m, self.n_kv_head, n, self.head_dim_v), np.float32) if values else None
+        k = self._buffers.take((m, self.n_kv_head, n, self.head_dim_k)) if keys else None
+        v = self._buffers.take((m, self.n_kv_head, n, self.head_dim_v)) if values else None
         if n and m and (keys or values):
             self._check(self.lib.llama_edgekv_seq_read(self._c, self.seq, layers.start, m,
                                                       self._f32(k) if keys else self.ffi.NULL,
