@@ -15,7 +15,7 @@ from _helpers import prefill, run_cli
 from edgekv.errors import EdgekvError
 from edgekv.kvcache import CacheState, StateEngine, layout, native_available
 from edgekv.kvcache import engine as engine_mod
-from edgekv.kvcache.native import NativeEngine, load
+from edgekv.kvcache.native import NativeEngine, ReadBuffers, load
 from edgekv.llama import Context
 from edgekv.session import Session
 
@@ -155,6 +155,31 @@ def test_a_read_of_many_layers_equals_reads_of_one(smollm2, toks, ck, cv, fa, mo
     ctx.close()
 
 
+@pytest.mark.parametrize(("ck", "cv", "fa"), [("f16", "f16", "off"), ("f16", "f32", "off"), ("q8_0", "q8_0", "on")],
+                         ids=["f16-fa_off", "f16-f32-fa_off", "q8_0-fa_on"])
+def test_host_read_of_cells_with_holes_equals_the_graph(smollm2, toks, ck, cv, fa, monkeypatch) -> None:
+    # cells freed in the middle of the sequence: the host path gathers a transposed V cell by
+    # cell there instead of converting runs, and must still match the graph bit for bit
+    ctx = _ctx(smollm2, ck, cv, fa)
+    eng = NativeEngine(ctx)
+    prefill(eng, toks)
+    n0 = eng.n_cells
+    assert ctx.seq_rm(0, 40, 97) and ctx.seq_rm(0, 130, 131)  # holes, cells still ascending
+    n = n0 - 58
+    L, H, d = smollm2.arch.n_layer, smollm2.arch.n_head_kv, eng.head_dim_v
+    out = {}
+    for path in ("0", "1"):
+        monkeypatch.setenv("EDGEKV_GRAPH_OPS", path)
+        k = np.full(L * H * n * d, np.nan, np.float32)
+        v = np.full(L * H * n * d, np.nan, np.float32)
+        assert eng.lib.llama_edgekv_seq_read(eng._c, 0, 0, L, eng.ffi.from_buffer("float[]", k),
+                                             eng.ffi.from_buffer("float[]", v), n) == 0
+        out[path] = k, v
+    assert np.isfinite(out["0"][1]).all() and np.isfinite(out["0"][0]).all()
+    assert np.array_equal(out["0"][0], out["1"][0]) and np.array_equal(out["0"][1], out["1"][1])
+    ctx.close()
+
+
 def test_read_buffers_are_reused_only_once_released(smollm2, toks) -> None:
     # reads land in pooled buffers (fresh pages cost more than the read): an array a
     # snapshot handed out must never change under its holder, even after the cache does
@@ -169,11 +194,23 @@ def test_read_buffers_are_reused_only_once_released(smollm2, toks) -> None:
     other = eng.snapshot()
     assert other.values(L - 1).shape[0] == 80 and not np.shares_memory(other.values(L - 1), v0)
     assert np.array_equal(k0, copies[0]) and np.array_equal(v0, copies[1])
-    pooled = eng._buffers._pool
+    def spans() -> list[tuple[int, int]]:  # the pooled buffers' memory, without holding them
+        return [(b.ctypes.data, b.ctypes.data + b.nbytes) for b in eng._buffers._pool]
+
+    def pooled(a: np.ndarray) -> bool:
+        return any(lo <= a.ctypes.data < hi for lo, hi in before)
+
+    before = spans()
     del held, k0, v0, other
-    again = eng.snapshot().values(0)  # nothing holds the earlier buffers: one is handed out again
-    assert any(np.shares_memory(again, b) for b in pooled)
+    again = eng.snapshot()
+    assert again.values(L - 1).shape[0] == 80  # a read the released buffers can hold: one is handed out again
+    assert pooled(again.values(L - 1)) and spans() == before
     assert sum(b.nbytes for b in eng._buffers._pool) <= eng._buffers.cap
+    small = ReadBuffers(1 << 20)
+    small.take((1000,))
+    kept = [(b.ctypes.data, b.nbytes) for b in small._pool]
+    big = small.take((1 << 19,))  # more than the pool may keep: handed out, the pool left as it was
+    assert big.size == 1 << 19 and [(b.ctypes.data, b.nbytes) for b in small._pool] == kept
     ctx.close()
 
 

@@ -170,7 +170,11 @@ class KVSnapshot:
         """Read ``layer`` and the layers after it, up to ``READ_BYTES``, in one device call:
         a graph run costs more than a small cache's rows, and scorers read every layer."""
         per_layer = 4 * self.n_cells * self.n_kv_head * (keys * self.head_dim_k + values * self.head_dim_v)
-        layers = range(layer, min(self.n_layer, layer + max(1, READ_BYTES // max(per_layer, 1))))
+        stop = layer + 1
+        while (stop < min(self.n_layer, layer + READ_BYTES // max(per_layer, 1))
+               and not (keys and stop in self._k) and not (values and stop in self._v)):
+            stop += 1  # up to the first layer already read
+        layers = range(layer, stop)
         k, v = self._read(layers, keys, values)
         for i, at in enumerate(layers):
             if k is not None:

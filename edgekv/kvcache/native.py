@@ -67,8 +67,9 @@ class ReadBuffers:
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
-        # what an idle buffer's reference count reads as, taken the way take() reads it
-        # (the pool's list, the loop variable, the call; it differs between Python versions)
+        # what an idle buffer's reference count reads as, taken exactly the way take() reads
+        # it (the pool's list, the loop variable, the call; it differs between Python
+        # versions): keep the comprehensions here and in take() alike
         self._pool: list[np.ndarray] = [np.empty(1, np.float32)]
         self._idle_refs = [self._refs(b) for b in self._pool][0]
         self._pool = []
@@ -83,6 +84,8 @@ class ReadBuffers:
         if free:
             return min(free, key=lambda b: b.size)[:n].reshape(shape)
         buf = np.empty(n + n // 8, np.float32)  # headroom: the cache grows between reads
+        if buf.nbytes > self.cap:
+            return buf[:n].reshape(shape)  # too big to keep: the pool stays as it is
         kept = sum(b.nbytes for b in self._pool)
         while self._pool and kept + buf.nbytes > self.cap:  # make room: drop unused buffers first
             idle = [b for b in self._pool if self._refs(b) <= self._idle_refs]

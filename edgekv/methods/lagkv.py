@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -278,13 +279,16 @@ def _each_layer(snap: KVSnapshot, fn: Callable[[int], None]) -> None:
         snap.values(layer)  # V first: K comes with it, one device read instead of two
         snap.keys(layer)
     global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="edgekv-lagkv")
+    with _pool_lock:
+        if _pool is None:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+            _pool = ThreadPoolExecutor(max_workers=cores or 1, thread_name_prefix="edgekv-lagkv")
     for _ in _pool.map(fn, range(snap.n_layer)):  # re-raises a worker's exception
         pass
 
 
 _pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
 
 
 @cache
@@ -292,8 +296,11 @@ def _load_kernel() -> None:
     """Load the compiled scoring kernel when a session attaches the method, not inside
     its first compression: numba's first call in a process costs about half a second,
     once (a chat or a server pays it at start-up, an ingest would pay it mid-document)."""
-    z = np.zeros((1, 2, 2), np.float32).transpose(1, 0, 2)  # [n, H, d] as the engines' views
-    partition_ranks(z, z, np.zeros((1, 1, 2), np.int64), np.zeros(2, np.int64))
+    members, last = np.zeros((2, 1, 2), np.int64), np.zeros(2, np.int64)
+    z = np.zeros((2, 2, 2), np.float32)
+    partition_ranks(z, z, members, last)  # C-contiguous: the state engine, rotated caches
+    a = z.transpose(1, 0, 2)  # [n, H, d] viewed from [H, n, d]: the native engine's reads
+    partition_ranks(a, a, members, last)
 
 
 def _intact_start(tp: np.ndarray, T: int) -> int:
