@@ -36,6 +36,14 @@ def _ctx(model, ck: str, cv: str, fa: str, n_ctx: int = 512) -> Context:
     return Context(model, n_ctx=n_ctx, cache_type_k=ck, cache_type_v=cv, flash_attn=fa, n_threads=2)
 
 
+def _prefilled(model, toks: list[int], ck: str, cv: str, fa: str) -> tuple[Context, NativeEngine]:
+    """A context and its native engine holding ``toks``."""
+    ctx = _ctx(model, ck, cv, fa)
+    eng = NativeEngine(ctx)
+    prefill(eng, toks)
+    return ctx, eng
+
+
 def _keep(rng: np.random.Generator, L: int, H: int, n: int, b: int) -> np.ndarray:
     keep = np.empty((L, H, b), dtype=np.int64)
     for li in range(L):
@@ -129,9 +137,7 @@ def test_native_read_matches_state_snapshot(smollm2, toks, ck, cv, fa) -> None:
 def test_a_read_of_many_layers_equals_reads_of_one(smollm2, toks, ck, cv, fa, monkeypatch) -> None:
     # a read of a run of layers brings back the same floats as reads of one layer, and the
     # host path (a cache in host memory) the same floats as the ggml graph
-    ctx = _ctx(smollm2, ck, cv, fa)
-    eng = NativeEngine(ctx)
-    prefill(eng, toks)
+    ctx, eng = _prefilled(smollm2, toks, ck, cv, fa)
     L = smollm2.arch.n_layer
     eng.compact(_keep(np.random.default_rng(3), L, smollm2.arch.n_head_kv, eng.n_cells, 90))
     k, v = eng.read(range(L))
@@ -160,9 +166,7 @@ def test_a_read_of_many_layers_equals_reads_of_one(smollm2, toks, ck, cv, fa, mo
 def test_host_read_of_cells_with_holes_equals_the_graph(smollm2, toks, ck, cv, fa, monkeypatch) -> None:
     # cells freed in the middle of the sequence: the host path gathers a transposed V cell by
     # cell there instead of converting runs, and must still match the graph bit for bit
-    ctx = _ctx(smollm2, ck, cv, fa)
-    eng = NativeEngine(ctx)
-    prefill(eng, toks)
+    ctx, eng = _prefilled(smollm2, toks, ck, cv, fa)
     n0 = eng.n_cells
     assert ctx.seq_rm(0, 40, 97) and ctx.seq_rm(0, 130, 131)  # holes, cells still ascending
     n = n0 - 58
@@ -183,9 +187,7 @@ def test_host_read_of_cells_with_holes_equals_the_graph(smollm2, toks, ck, cv, f
 def test_read_buffers_are_reused_only_once_released(smollm2, toks) -> None:
     # reads land in pooled buffers (fresh pages cost more than the read): an array a
     # snapshot handed out must never change under its holder, even after the cache does
-    ctx = _ctx(smollm2, "f16", "f16", "off")
-    eng = NativeEngine(ctx)
-    prefill(eng, toks)
+    ctx, eng = _prefilled(smollm2, toks, "f16", "f16", "off")
     L, H = smollm2.arch.n_layer, smollm2.arch.n_head_kv
     held = eng.snapshot()
     k0, v0 = held.keys(L - 1), held.values(L - 1)
