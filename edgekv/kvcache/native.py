@@ -5,7 +5,7 @@ each (layer, KV head)'s kept rows into cells 0..B-1 with a ggml graph on the
 cache's backend instead of copying the sequence to the host and back. On top of
 the protocol it offers the ops the state API cannot: ``merge`` (weighted average
 of cells, with a per (layer, head, cell) log-count bias that attention adds to
-the logits), ``read`` (dequantised K/V of one layer) and ``score``
+the logits), ``read`` (dequantised K/V of a run of layers) and ``score``
 (observation-window attention computed on the device).
 
 The bindings are a cffi module (``edgekv._edgekv_native``) that
