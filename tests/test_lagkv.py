@@ -23,7 +23,7 @@ from edgekv.methods import get_method
 from edgekv.methods.lagkv import (
     LagKV,
     lag_scores,
-    partition_ranks,
+    group_ranks,
     partition_scores,
     retained_cells,
 )
@@ -186,7 +186,7 @@ def test_compiled_ranks_equal_the_reference_scores(seed: int) -> None:
     V = rng.standard_normal(((q + 1) * L, H, d)).astype(np.float32)
     K[5, 0], V[5, 0] = K[6, 0], V[6, 0]  # a tie: the earlier token ranks first
     cells = np.arange((q + 1) * L, dtype=np.int64).reshape(q + 1, L)
-    rank = partition_ranks(K, V, np.ascontiguousarray(np.broadcast_to(cells[:q], (H, q, L))), cells[q])
+    rank = group_ranks(KVSnapshot.from_arrays([K], [V]), np.broadcast_to(cells, (1, H, q + 1, L)))[0]
     for h in range(H):
         kb, vb = K[:, h].reshape(q + 1, L, d), V[:, h].reshape(q + 1, L, d)
         s = lag_scores(kb[:-1], kb[1:]) + lag_scores(vb[:-1], vb[1:])
@@ -209,7 +209,7 @@ def test_compiled_ranks_equal_the_reference_on_non_finite_and_constant_channels(
     if seed % 2:
         K[3 * L:, 0] = np.nan  # the last reference all NaN: partition 2 scores uniformly in K
     cells = np.arange((q + 1) * L, dtype=np.int64).reshape(q + 1, L)
-    rank = partition_ranks(K, V, np.ascontiguousarray(np.broadcast_to(cells[:q], (H, q, L))), cells[q])
+    rank = group_ranks(KVSnapshot.from_arrays([K], [V]), np.broadcast_to(cells, (1, H, q + 1, L)))[0]
     with np.errstate(invalid="ignore", over="ignore"):
         for h in range(H):
             kb, vb = K[:, h].reshape(q + 1, L, d), V[:, h].reshape(q + 1, L, d)

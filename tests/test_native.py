@@ -15,8 +15,9 @@ from _helpers import prefill, run_cli
 from edgekv.errors import EdgekvError
 from edgekv.kvcache import CacheState, StateEngine, layout, native_available
 from edgekv.kvcache import engine as engine_mod
-from edgekv.kvcache.native import NativeEngine, ReadBuffers, load
+from edgekv.kvcache.native import NativeEngine, NativeUnsupported, ReadBuffers, load
 from edgekv.llama import Context
+from edgekv.methods import get_method, lagkv
 from edgekv.session import Session
 
 CONFIGS = [("f16", "f16", "off"), ("f16", "f16", "on"), ("q8_0", "q8_0", "on"), ("q8_0", "f16", "off")]
@@ -396,6 +397,64 @@ def test_device_scores_equal_host_reference(smollm2, toks, ck, cv, fa) -> None:
     ctx.close()
 
 
+def _groups(rng: np.random.Generator, L: int, H: int, n: int, g: int, w: int) -> np.ndarray:
+    """[L, H, g, w] ascending ordinals per group, each of a random size (some empty), -1 padded."""
+    members = -np.ones((L, H, g, w), np.int64)
+    for il, h, i in np.ndindex(L, H, g):
+        size = int(rng.integers(0, w + 1)) if i % 3 else w
+        members[il, h, i, :size] = np.sort(rng.choice(n, size, replace=False))
+    return members
+
+
+@pytest.mark.parametrize(("ck", "cv", "fa"), [("f16", "f16", "off"), ("f16", "bf16", "off"), ("f16", "f32", "off"),
+                                              ("f16", "f16", "on"), ("q8_0", "q8_0", "on"), ("q8_0", "f16", "off")],
+                         ids=["f16", "bf16-vt", "f32-vt", "f16-fa", "q8_0-fa", "q8_0-vt"])
+def test_device_lag_scores_are_the_kernels_doubles(smollm2, toks, ck, cv, fa, monkeypatch) -> None:
+    # LagKV's scores computed in the cache's memory equal, to the last bit, the compiled
+    # kernel's on the K/V read out, as stored (rotated where llama.cpp rotates), for groups
+    # of cells that differ per head after a compaction, with empty and padded groups
+    ctx, eng = _prefilled(smollm2, toks, ck, cv, fa)
+    L, H = smollm2.arch.n_layer, smollm2.arch.n_head_kv
+    rng = np.random.default_rng(11)
+    eng.compact(_keep(rng, L, H, eng.n_cells, 150))
+    members = _groups(rng, L, H, eng.n_cells, 5, 24)  # cell order
+    got = eng.lag_scores(members)
+    k, v = eng.read(range(L), cell_order=True)
+    for il in range(L):
+        want = lagkv.group_scores(k[il].transpose(1, 0, 2), v[il].transpose(1, 0, 2), members[il])
+        assert np.array_equal(got[il], want), il
+    assert np.isneginf(got).any() and (got[np.isfinite(got)] >= 0).all()  # padding; softmax sums
+    # the snapshot serves them where the read would return K/V as the model computed them
+    snap = eng.snapshot()
+    assert (snap.lag_scores(members) is None) == bool(ctx.k_rot or ctx.v_rot)
+    monkeypatch.setenv("EDGEKV_GRAPH_OPS", "1")  # the path of a cache outside host memory
+    with pytest.raises(NativeUnsupported):
+        eng.lag_scores(members)
+    assert eng.snapshot().lag_scores(members) is None
+    ctx.close()
+
+
+@pytest.mark.parametrize("budget", [None, 300])
+def test_lagkv_keeps_the_same_cells_on_both_engines(smollm2, toks, budget) -> None:
+    # the native engine scores in the cache's memory, the state engine from K/V it reads:
+    # the same ranks, so the same selection, through LagKV's step and its shrink
+    ctx = _ctx(smollm2, "f16", "f16", "off")
+    state, native = StateEngine(ctx), NativeEngine(ctx)
+    prefill(native, (toks * 3)[:480])
+    state.tokens = native.tokens
+    method = get_method("lagkv", L=32, sinks=4)
+    method.bind(budget, None if budget else 0.5)
+    rng = np.random.default_rng(3)
+    native.compact(_keep(rng, smollm2.arch.n_layer, smollm2.arch.n_head_kv, native.n_cells, 400))
+    a, b = state.snapshot(), native.snapshot()
+    assert b.lag_scores(-np.ones((smollm2.arch.n_layer, smollm2.arch.n_head_kv, 2, 1), np.int64)) is not None
+    target = budget or 200
+    keep_state, keep_native = method.select(a, target), method.select(b, target)
+    assert keep_native.shape[2] <= target  # budget mode leaves room for the next L tokens
+    assert np.array_equal(keep_state, keep_native)
+    ctx.close()
+
+
 def test_bad_arguments_are_refused_and_cache_kept(smollm2, toks) -> None:
     ctx = _ctx(smollm2, "f16", "f16", "on")
     eng = NativeEngine(ctx)
@@ -418,6 +477,19 @@ def test_bad_arguments_are_refused_and_cache_kept(smollm2, toks) -> None:
     out = np.zeros(L * H * (n + 1), np.float32)
     assert lib.llama_edgekv_seq_key_sqnorms(c, 0, ffi.from_buffer("float[]", out), n + 1) == -2
     assert lib.llama_edgekv_seq_key_sqnorms(c, 0, ffi.NULL, n) == -2
+    members = np.zeros(L * H * 2 * 4, np.int32)
+    scores = np.zeros(L * H * 4)
+    m_buf, s_buf = ffi.from_buffer("int32_t[]", members), ffi.from_buffer("double[]", scores)
+    assert lib.llama_edgekv_seq_lag_scores(c, 0, 1, 4, m_buf, s_buf, n) == 0
+    members[5] = n  # out of range
+    assert lib.llama_edgekv_seq_lag_scores(c, 0, 1, 4, m_buf, s_buf, n) == -2
+    members[5] = -2
+    assert lib.llama_edgekv_seq_lag_scores(c, 0, 1, 4, m_buf, s_buf, n) == -2
+    members[5] = 0
+    assert lib.llama_edgekv_seq_lag_scores(c, 0, 0, 4, m_buf, s_buf, n) == -2  # no group to score
+    assert lib.llama_edgekv_seq_lag_scores(c, 0, 1, 4, m_buf, s_buf, n + 1) == -2
+    with pytest.raises(EdgekvError, match="members must be"):
+        eng.lag_scores(np.zeros((L, H, 1, 4), np.int64))
     with pytest.raises(EdgekvError):
         eng._merge_groups(-np.ones((L, H, 1, 2), np.int64), np.ones((L, H, 1, 2), np.float32))
     with pytest.raises(EdgekvError, match="newest"):

@@ -74,6 +74,8 @@ class KVSnapshot:
     # the native engine sums the keys' squares on the device: () -> float32 [n_layer, n_kv_head, n]
     _key_sqnorms: Callable[[], np.ndarray] | None = field(default=None, repr=False)
     _sqn: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+    # the native engine computes LagKV's scores in the cache's memory: members -> scores or None
+    _lag_scores: Callable[[np.ndarray], np.ndarray | None] | None = field(default=None, repr=False)
     scored_layers: list[int] = field(default_factory=list, repr=False)  # in the order they were scored
 
     @property
@@ -207,6 +209,15 @@ class KVSnapshot:
             else:
                 self._sqn[layer] = key_sqnorms(self._stored_keys(layer)).T
         return np.sqrt(self._sqn[layer])
+
+    def lag_scores(self, members: np.ndarray) -> np.ndarray | None:
+        """LagKV's scores, K plus V, of groups of cells, each group against the next one,
+        computed where the cache lives without reading K and V out: members int
+        [n_layer, n_kv_head, G + 1, W] (ordinals in position order, a group ending at its
+        first -1) -> float64 [n_layer, n_kv_head, G, W], padding -inf. None where the engine
+        cannot (the state engine, a cache llama.cpp rotates or keeps off the host): the
+        method then scores ``keys`` and ``values`` itself, to the same doubles."""
+        return None if self._lag_scores is None else self._lag_scores(members)
 
     def _stored_keys(self, layer: int) -> np.ndarray:
         """float32 [n_cells, n_kv_head, head_dim_k] as the cache holds them (still rotated)."""

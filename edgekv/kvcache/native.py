@@ -53,7 +53,7 @@ _ERRORS = {
 }
 
 
-NATIVE_API = 6  # the patch set version (LLAMA_EDGEKV_API_VERSION) these bindings are written for
+NATIVE_API = 7  # the patch set version (LLAMA_EDGEKV_API_VERSION) these bindings are written for
 
 
 class ReadBuffers:
@@ -292,6 +292,16 @@ class NativeEngine:
                 raise EdgekvError("the cache changed since this snapshot was taken; take a new one")
             return self.key_sqnorms(cell_order=True)[:, :, order]
 
+        def lag_scores(members: np.ndarray) -> np.ndarray | None:
+            if self._gen != gen:
+                raise EdgekvError("the cache changed since this snapshot was taken; take a new one")
+            if k_rot or v_rot:
+                return None  # LagKV's per-channel statistics need the unrotated K/V of a read
+            try:
+                return self.lag_scores(np.where(members >= 0, order[np.maximum(members, 0)], -1))
+            except NativeUnsupported:  # a cache outside host memory
+                return None
+
         kq_scale = self.ctx.model.info.kq_scale
         return KVSnapshot(pos=pos, token_pos=self.tokens.full(pos, self.n_layer), n_kv_head=H,
                           head_dim_k=dk, head_dim_v=dv, _section=None, _order=order, _read=read,
@@ -299,7 +309,7 @@ class NativeEngine:
                           kq_scale=kq_scale, _score=score,
                           tally=self.tally.scores.copy() if self.tally is not None and self.tally.complete else None,
                           counts=self.tokens.full_counts(self.n_layer, n), bias=self._biased,
-                          _key_sqnorms=key_sqnorms)
+                          _key_sqnorms=key_sqnorms, _lag_scores=lag_scores)
 
     def _compact(self, keep: np.ndarray) -> None:
         pos_cells = self.cell_positions()
@@ -408,6 +418,22 @@ class NativeEngine:
             self._check(self.lib.llama_edgekv_seq_key_sqnorms(self._c, self.seq, self._f32(out), n), "key_sqnorms")
             if not cell_order:
                 out = out[..., np.argsort(self.cell_positions(), kind="stable")]
+        return out
+
+    def lag_scores(self, members: np.ndarray) -> np.ndarray:
+        """LagKV's scores, K plus V, of groups of cells, each against the next group, computed
+        in the cache's host memory (``llama_edgekv_seq_lag_scores``; NativeUnsupported for a
+        cache elsewhere). members int [n_layer, n_kv_head, G + 1, W], cell ordinals in cell
+        order, a group ending at its first -1 -> float64 [n_layer, n_kv_head, G, W], padding -inf."""
+        L, H, g1, w = members.shape
+        if (L, H) != (self.n_layer, self.n_kv_head) or g1 < 2 or w < 1:
+            raise EdgekvError(f"lag_scores: members must be [{self.n_layer}, {self.n_kv_head}, G + 1 >= 2, W >= 1], "
+                              f"got {list(members.shape)}")
+        m = np.ascontiguousarray(members, dtype=np.int32)
+        out = np.empty((L, H, g1 - 1, w))
+        self._check(self.lib.llama_edgekv_seq_lag_scores(self._c, self.seq, g1 - 1, w, self._i32(m),
+                                                         self.ffi.from_buffer("double[]", out), self.n_cells),
+                    "lag_scores")
         return out
 
     @property

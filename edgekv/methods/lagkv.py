@@ -180,36 +180,49 @@ def _member_scores(z, h, members, count, ref, n_ref, ddof):  # pragma: no cover 
 
 
 @njit(cache=True, nogil=True)
-def partition_ranks(k, v, members, last):  # pragma: no cover - compiled
-    """Rank (0 = best, ties to the earlier token) of every member of every compressed
-    partition of one layer by the LagKV scores of K plus V, each partition against the
-    members of the next one and the last against the cells ``last``. members [H, f, W]
-    (cells, -1 padding) -> ranks [H, f, W], -1 padding."""
-    n_head, f, width = members.shape
+def group_scores(k, v, members):  # pragma: no cover - compiled
+    """LagKV's scores, K plus V, of one layer's groups of cells, each group against the
+    next: members [H, G + 1, W] (cells; a group ends at its first -1; group G is a
+    reference only) -> float64 [H, G, W], padding -inf. The native engine's
+    ``llama_edgekv_seq_lag_scores`` computes the same doubles in the cache's memory."""
+    n_head, g1, width = members.shape
     ddof = 1 if k.shape[2] > 1 else 0
     ddof_v = 1 if v.shape[2] > 1 else 0
-    out = np.full((n_head, f, width), -1, dtype=np.int64)
+    out = np.full((n_head, g1 - 1, width), -np.inf)
     for h in range(n_head):
-        for p in range(f):
+        for p in range(g1 - 1):
             count = 0
             while count < width and members[h, p, count] >= 0:
                 count += 1
             if count == 0:
                 continue
-            if p + 1 < f:
-                ref = members[h, p + 1]
-                n_ref = 0
-                while n_ref < width and ref[n_ref] >= 0:
-                    n_ref += 1
-            else:
-                ref = last
-                n_ref = last.shape[0]
-            s = (_member_scores(k, h, members[h, p], count, ref, n_ref, ddof)
-                 + _member_scores(v, h, members[h, p], count, ref, n_ref, ddof_v))
-            order = np.argsort(-s, kind="mergesort")
-            for r in range(count):
-                out[h, p, order[r]] = r
+            ref = members[h, p + 1]
+            n_ref = 0
+            while n_ref < width and ref[n_ref] >= 0:
+                n_ref += 1
+            out[h, p, :count] = (_member_scores(k, h, members[h, p], count, ref, n_ref, ddof)
+                                 + _member_scores(v, h, members[h, p], count, ref, n_ref, ddof_v))
     return out
+
+
+def group_ranks(snap: KVSnapshot, members: np.ndarray) -> np.ndarray:
+    """Rank (0 = best, ties to the earlier member) of every member of every group by LagKV's
+    scores, each group against the next: members int [n_layer, n_kv_head, G + 1, W] (ordinals,
+    -1 padding at the end of a group) -> int [n_layer, n_kv_head, G, W], -1 padding. Scored
+    where the cache lives when the engine can (``KVSnapshot.lag_scores``), else from K and V
+    here; both give the same doubles, so the same ranks."""
+    s = snap.lag_scores(members)
+    if s is None:
+        s = np.empty(members.shape[:2] + (members.shape[2] - 1, members.shape[3]))
+
+        def score_layer(layer: int) -> None:
+            s[layer] = group_scores(snap.keys(layer), snap.values(layer), members[layer])
+
+        _each_layer(snap, score_layer)
+    order = np.argsort(-s, axis=-1, kind="stable")  # padding (-inf) after every member
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.arange(s.shape[-1]), axis=-1)
+    return np.where(np.isneginf(s), -1, rank)
 
 
 def _ref_range(ref: np.ndarray, mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -296,11 +309,11 @@ def _load_kernel() -> None:
     """Load the compiled scoring kernel when a session attaches the method, not inside
     its first compression: numba's first call in a process costs about half a second,
     once (a chat or a server pays it at start-up, an ingest would pay it mid-document)."""
-    members, last = np.zeros((2, 1, 2), np.int64), np.zeros(2, np.int64)
+    members = np.zeros((2, 2, 2), np.int64)
     z = np.zeros((2, 2, 2), np.float32)
-    partition_ranks(z, z, members, last)  # C-contiguous: the state engine, rotated caches
+    group_scores(z, z, members)  # C-contiguous: the state engine, rotated caches
     a = z.transpose(1, 0, 2)  # [n, H, d] viewed from [H, n, d]: the native engine's reads
-    partition_ranks(a, a, members, last)
+    group_scores(a, a, members)
 
 
 def _intact_start(tp: np.ndarray, T: int) -> int:
@@ -393,15 +406,9 @@ class LagKV(Method):
         # partition p holds cells c0 + pL .. c0 + pL + L - 1 in every head; the last is scored
         # against partition q, the first uncompressed one
         cells = c0 + np.arange((q + 1) * L, dtype=np.int64).reshape(q + 1, L)
-        members = np.ascontiguousarray(np.broadcast_to(cells[:q], (n_head, q, L)))
-        sel = np.empty((n_layer, n_head, q, k), dtype=np.int64)
-
-        def select_layer(layer: int) -> None:
-            rank = partition_ranks(snap.keys(layer), snap.values(layer), members, cells[q])
-            # the top k of each partition (ties: the earlier token), in token order
-            sel[layer] = np.sort(np.argsort(rank, axis=-1, kind="stable")[..., :k], axis=-1) + cells[:q, :1]
-
-        _each_layer(snap, select_layer)
+        rank = group_ranks(snap, np.ascontiguousarray(np.broadcast_to(cells, (n_layer, n_head, q + 1, L))))
+        # the top k of each partition (ties: the earlier token), in token order
+        sel = np.sort(np.argsort(rank, axis=-1, kind="stable")[..., :k], axis=-1) + cells[:q, :1]
         head = np.broadcast_to(np.arange(c0), (n_layer, n_head, c0))
         tail = np.broadcast_to(np.arange(c0 + q * L, n), (n_layer, n_head, n - c0 - q * L))
         return np.concatenate([head, sel.reshape(n_layer, n_head, q * k), tail], axis=2), f + q
@@ -422,17 +429,14 @@ class LagKV(Method):
         # Partition f lies in the intact tail: the same cells in every head.
         p0 = S + f * L
         last = slice(n - (T - p0), n - (T - min(T, p0 + L)))
+        ref = keep[:, :1, last]  # [n_layer, 1, <= L]
+        members = np.full((n_layer, n_head, f + 1, max(width, ref.shape[2])), -1, dtype=np.int64)
+        ll, hh, jj = np.nonzero(g >= 0)  # cells of each partition, in order
+        gi, pi = g[ll, hh, jj], pos_in[ll, hh, jj]
+        members[ll, hh, gi, pi] = keep[ll, hh, jj]
+        members[:, :, f, : ref.shape[2]] = ref
         rho = np.full(tp.shape, -1, dtype=np.int64)
-
-        def rank_layer(layer: int) -> None:
-            members = np.full((n_head, f, width), -1, dtype=np.int64)  # cells of each partition, in order
-            hh, jj = np.nonzero(g[layer] >= 0)
-            members[hh, g[layer][hh, jj], pos_in[layer][hh, jj]] = keep[layer][hh, jj]
-            rank = partition_ranks(snap.keys(layer), snap.values(layer), members,
-                                   np.ascontiguousarray(keep[layer][0, last], dtype=np.int64))
-            rho[layer][hh, jj] = rank[hh, g[layer][hh, jj], pos_in[layer][hh, jj]]
-
-        _each_layer(snap, rank_layer)
+        rho[ll, hh, jj] = group_ranks(snap, members)[ll, hh, gi, pi]
         return rho
 
     def _shrink(self, snap: KVSnapshot, keep: np.ndarray, tp: np.ndarray, f: int, T: int,
