@@ -22,8 +22,8 @@ from edgekv.kvcache.engine import KVSnapshot, check_keep
 from edgekv.methods import get_method
 from edgekv.methods.lagkv import (
     LagKV,
-    lag_scores,
     group_ranks,
+    lag_scores,
     partition_scores,
     retained_cells,
 )

@@ -298,7 +298,8 @@ class NativeEngine:
             if k_rot or v_rot:
                 return None  # LagKV's per-channel statistics need the unrotated K/V of a read
             try:
-                return self.lag_scores(np.where(members >= 0, order[np.maximum(members, 0)], -1))
+                cells = members if in_order else np.where(members >= 0, order[np.maximum(members, 0)], -1)
+                return self.lag_scores(cells)
             except NativeUnsupported:  # a cache outside host memory
                 return None
 

@@ -205,12 +205,13 @@ def group_scores(k, v, members):  # pragma: no cover - compiled
     return out
 
 
-def group_ranks(snap: KVSnapshot, members: np.ndarray) -> np.ndarray:
-    """Rank (0 = best, ties to the earlier member) of every member of every group by LagKV's
-    scores, each group against the next: members int [n_layer, n_kv_head, G + 1, W] (ordinals,
-    -1 padding at the end of a group) -> int [n_layer, n_kv_head, G, W], -1 padding. Scored
-    where the cache lives when the engine can (``KVSnapshot.lag_scores``), else from K and V
-    here; both give the same doubles, so the same ranks."""
+def group_order(snap: KVSnapshot, members: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The slots of every group's members from best to worst (ties to the earlier member) by
+    LagKV's scores, each group against the next: members int [n_layer, n_kv_head, G + 1, W]
+    (ordinals, -1 padding at the end of a group) -> (order int [n_layer, n_kv_head, G, W],
+    padding last; scores float64, padding -inf). Scored where the cache lives when the engine
+    can (``KVSnapshot.lag_scores``), else from K and V here; both give the same doubles, so
+    the same order."""
     s = snap.lag_scores(members)
     if s is None:
         s = np.empty(members.shape[:2] + (members.shape[2] - 1, members.shape[3]))
@@ -219,7 +220,13 @@ def group_ranks(snap: KVSnapshot, members: np.ndarray) -> np.ndarray:
             s[layer] = group_scores(snap.keys(layer), snap.values(layer), members[layer])
 
         _each_layer(snap, score_layer)
-    order = np.argsort(-s, axis=-1, kind="stable")  # padding (-inf) after every member
+    return np.argsort(-s, axis=-1, kind="stable"), s  # padding (-inf) after every member
+
+
+def group_ranks(snap: KVSnapshot, members: np.ndarray) -> np.ndarray:
+    """Rank (0 = best) of every member of every group, as ``group_order`` orders them:
+    int [n_layer, n_kv_head, G, W], -1 padding."""
+    order, s = group_order(snap, members)
     rank = np.empty_like(order)
     np.put_along_axis(rank, order, np.arange(s.shape[-1]), axis=-1)
     return np.where(np.isneginf(s), -1, rank)
@@ -406,9 +413,9 @@ class LagKV(Method):
         # partition p holds cells c0 + pL .. c0 + pL + L - 1 in every head; the last is scored
         # against partition q, the first uncompressed one
         cells = c0 + np.arange((q + 1) * L, dtype=np.int64).reshape(q + 1, L)
-        rank = group_ranks(snap, np.ascontiguousarray(np.broadcast_to(cells, (n_layer, n_head, q + 1, L))))
+        order, _ = group_order(snap, np.ascontiguousarray(np.broadcast_to(cells, (n_layer, n_head, q + 1, L))))
         # the top k of each partition (ties: the earlier token), in token order
-        sel = np.sort(np.argsort(rank, axis=-1, kind="stable")[..., :k], axis=-1) + cells[:q, :1]
+        sel = np.sort(order[..., :k], axis=-1) + cells[:q, :1]
         head = np.broadcast_to(np.arange(c0), (n_layer, n_head, c0))
         tail = np.broadcast_to(np.arange(c0 + q * L, n), (n_layer, n_head, n - c0 - q * L))
         return np.concatenate([head, sel.reshape(n_layer, n_head, q * k), tail], axis=2), f + q
