@@ -434,19 +434,24 @@ def test_device_lag_scores_are_the_kernels_doubles(smollm2, toks, ck, cv, fa, mo
     ctx.close()
 
 
-@pytest.mark.parametrize("budget", [None, 300])
-def test_lagkv_keeps_the_same_cells_on_both_engines(smollm2, toks, budget) -> None:
+@pytest.mark.parametrize(("budget", "compacted"), [(None, False), (300, False), (None, True), (300, True)])
+def test_lagkv_keeps_the_same_cells_on_both_engines(smollm2, toks, budget, compacted) -> None:
     # the native engine scores in the cache's memory, the state engine from K/V it reads:
-    # the same ranks, so the same selection, through LagKV's step and its shrink
+    # the same ranks, so the same selection, through LagKV's step (an intact cache: its
+    # partitions are consecutive cells) and its shrink (after a per-head compaction)
     ctx = _ctx(smollm2, "f16", "f16", "off")
     state, native = StateEngine(ctx), NativeEngine(ctx)
     prefill(native, (toks * 3)[:480])
     state.tokens = native.tokens
     method = get_method("lagkv", L=32, sinks=4)
     method.bind(budget, None if budget else 0.5)
-    rng = np.random.default_rng(3)
-    native.compact(_keep(rng, smollm2.arch.n_layer, smollm2.arch.n_head_kv, native.n_cells, 400))
+    if compacted:
+        rng = np.random.default_rng(3)
+        native.compact(_keep(rng, smollm2.arch.n_layer, smollm2.arch.n_head_kv, native.n_cells, 400))
     a, b = state.snapshot(), native.snapshot()
+    tp = b.token_pos.astype(np.int64)
+    T = int(tp[..., -1].max()) + 1
+    assert (method._step(b, tp, T)[1] > method._frontier(tp, T)) == (not compacted)  # the step scores partitions
     assert b.lag_scores(-np.ones((smollm2.arch.n_layer, smollm2.arch.n_head_kv, 2, 1), np.int64)) is not None
     target = budget or 200
     keep_state, keep_native = method.select(a, target), method.select(b, target)
