@@ -10,7 +10,9 @@ Per method: ingest wall time and tok/s, peak RSS (the process's high-water
 mark, reset before each ingest), KV MiB, compressions; per needle: its depth
 and whether the answer holds the number; the perplexity of a
 ``--ppl-tokens`` passage of the haystack's book read after the document; and
-the decode speed after the document (``--decode-tokens`` greedy tokens).
+the decode speed after the document (``--decode-tokens`` greedy tokens). Once the
+caches are saved, ``--versus-full`` decodes each method's cache and the full cache in
+alternating blocks from their saved states, for a speed-up measured under one load.
 A method named ``NAME+rerotate`` renumbers positions after each compression
 (docs/methods.md), keeping every distance within the cache.
 
@@ -21,6 +23,7 @@ the remaining questions without ingesting again.
 
     .venv/bin/python bench/long_document.py --model smollm2-135m --tokens 32768 --budget 2048
     .venv/bin/python bench/long_document.py --model qwen2.5-coder-0.5b --tokens 32768 --budget 2048
+    .venv/bin/python bench/long_document.py --model smollm2-135m --methods knorm,lagkv --versus-full
 """
 
 from __future__ import annotations
@@ -63,9 +66,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--one-process", action="store_true",
                     help="run every method in this process (default: one subprocess each, so peak RSS is its own)")
+    ap.add_argument("--versus-full", action="store_true",
+                    help="from the saved caches only: each method's decode against the full cache's, interleaved")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of --versus-full (medians)")
     a = ap.parse_args()
     methods = a.methods.split(",") + (["full"] if a.full else [])
-    if len(methods) > 1 and not a.one_process:
+    if len(methods) > 1 and not (a.one_process or a.versus_full):
         import subprocess
 
         argv = [x for x in sys.argv[1:] if x != "--full"]
@@ -81,7 +87,7 @@ def main() -> None:
     from edgekv.bench.results import machine
     from edgekv.bench.runner import feed_logits, generate_answer, model_label, stop_rule
     from edgekv.bench.scoring import log_softmax_at, perplexity, score
-    from edgekv.bench.speed import decode_rate, proc_status, reset_peak_rss
+    from edgekv.bench.speed import decode_pair, decode_rate, proc_status, reset_peak_rss
     from edgekv.llama import Model
     from edgekv.models import edgekv_home, resolve_model
     from edgekv.session import Session
@@ -109,6 +115,51 @@ def main() -> None:
     def same(r: dict) -> bool:
         return all(r.get(k) == v for k, v in base.items())
 
+    def session_kw(m: str) -> dict:
+        if m == "full":
+            return {"n_ctx": len(ctx_tokens) + 256}
+        if m == "context_shift":
+            return {"n_ctx": a.budget}
+        return {"budget": a.budget, "n_ctx": a.budget + a.chunk}
+
+    def state_of(m: str) -> Path:
+        return states / f"{label}-{m}-{a.tokens}-{a.budget}-{a.needles}-{a.seed}.edgekv"
+
+    def write(row: dict) -> None:
+        with open(rows_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+
+    if a.versus_full:
+        # Both caches decode the same number of tokens from their state after the document, in
+        # alternating blocks of 8, so the ratio is measured under one machine load.
+        import numpy as np
+
+        missing = [m for m in ["full", *methods] if not state_of(m).exists()]
+        if missing:
+            sys.exit(f"--versus-full needs the saved caches of {', '.join(missing)}: run those methods first")
+        with Session(model, method="full", chunk=a.chunk, n_threads=a.threads, **session_kw("full")) as full:
+            full.load_file(state_of("full"))
+            full_saved = full.save()
+            for m in methods:
+                with Session(model, method=m, chunk=a.chunk, n_threads=a.threads, **session_kw(m)) as sess:
+                    sess.load_file(state_of(m))
+                    saved, cells = sess.save(), sess.engine.n_cells
+                    rates = []
+                    for _ in range(a.rounds):
+                        for s, st in ((sess, saved), (full, full_saved)):
+                            s.restore(st)
+                            s.feed([ctx_tokens[-1]])  # logits to continue from (a restore drops them)
+                        rates.append(decode_pair(sess, full, a.decode_tokens))
+                    mine, theirs = (float(np.median(x)) for x in zip(*rates, strict=True))
+                    write({**base, "kind": "decode_vs_full", "method": m, "decode_tokens": a.decode_tokens,
+                           "rounds": a.rounds, "cells": cells, "full_cells": full.engine.n_cells,
+                           "decode_tok_s": round(mine, 2), "full_decode_tok_s": round(theirs, 2),
+                           "speedup": round(mine / theirs, 2), "machine": machine()})
+                    log(f"{m}: {mine:.1f} tok/s at {cells} cells against the full cache's {theirs:.1f} "
+                        f"({mine / theirs:.2f}x), interleaved, median of {a.rounds}")
+        report(load_rows(rows_path), a.out / "report.md")
+        return
+
     for m in methods:
         mine = [r for r in load_rows(rows_path) if same(r) and r["method"] == m]
         done = {r["needle"] for r in mine if r["kind"] == "needle"}
@@ -117,14 +168,8 @@ def main() -> None:
         if len(done) == a.needles and ppl_done and decode_done:
             log(f"{m}: done")
             continue
-        if m == "full":
-            kw = {"n_ctx": len(ctx_tokens) + 256}
-        elif m == "context_shift":
-            kw = {"n_ctx": a.budget}
-        else:
-            kw = {"budget": a.budget, "n_ctx": a.budget + a.chunk}
-        state = states / f"{label}-{m}-{a.tokens}-{a.budget}-{a.needles}-{a.seed}.edgekv"
-        with Session(model, method=m, chunk=a.chunk, n_threads=a.threads, **kw) as sess:
+        state = state_of(m)
+        with Session(model, method=m, chunk=a.chunk, n_threads=a.threads, **session_kw(m)) as sess:
             ingest = [r for r in load_rows(rows_path) if same(r) and r["method"] == m and r["kind"] == "ingest"]
             if ingest and state.exists():
                 sess.load_file(state)
@@ -149,8 +194,7 @@ def main() -> None:
                        "compressions": st.compressions, "compress_s": round(st.compress_seconds, 2),
                        "machine": machine()}
                 sess.save_file(state)  # before the row: a row always has its saved cache
-                with open(rows_path, "a", encoding="utf-8") as f:
-                    f.write(json.dumps(row) + "\n")
+                write(row)
                 log(f"{m}: ingested in {secs:.0f} s ({row['ingest_tok_s']} tok/s), {st.cells} cells, "
                     f"{st.compressions} compressions, peak RSS {row['peak_rss_mib']} MiB")
             saved = sess.save()
@@ -165,8 +209,7 @@ def main() -> None:
                 row = {**base, "kind": "needle", "method": m, "needle": i, "key": k, "depth": depth[k],
                        "answer": answer, "output": out.strip()[:80], "score": score("niah_single", out, (answer,)),
                        "answer_s": round(time.perf_counter() - t0, 2)}
-                with open(rows_path, "a", encoding="utf-8") as f:
-                    f.write(json.dumps(row) + "\n")
+                write(row)
                 log(f"{m}: needle {i} at depth {depth[k]:.2f}: {row['score']:.0f} ({out.strip()[:40]!r})")
             if not ppl_done:
                 sess.restore(saved)
@@ -174,8 +217,7 @@ def main() -> None:
                 nll = -sum(log_softmax_at(lg, t) for lg, t in zip(logits, passage[1:], strict=True))
                 row = {**base, "kind": "ppl", "method": m, "ppl_tokens": len(passage),
                        "ppl": round(perplexity(nll, len(passage) - 1), 3)}
-                with open(rows_path, "a", encoding="utf-8") as f:
-                    f.write(json.dumps(row) + "\n")
+                write(row)
                 log(f"{m}: perplexity {row['ppl']} over a {len(passage)}-token passage after the document")
             if not decode_done:
                 # what answering costs per token once the document is in: the cache's cells decide it
@@ -185,8 +227,7 @@ def main() -> None:
                 rate = decode_rate(sess, a.decode_tokens)
                 row = {**base, "kind": "decode", "method": m, "decode_tokens": a.decode_tokens,
                        "cells": cells, "decode_tok_s": round(rate, 2)}
-                with open(rows_path, "a", encoding="utf-8") as f:
-                    f.write(json.dumps(row) + "\n")
+                write(row)
                 log(f"{m}: decode {rate:.1f} tok/s after the document ({row['cells']} cells)")
     report(load_rows(rows_path), a.out / "report.md")
 
@@ -201,7 +242,8 @@ def report(rows: list[dict], path: Path) -> None:
         rs = [r for r in rows if (r["model"], r["tokens"], r["budget"], r["needles"], r["seed"]) == g]
         lines += [f"## {g[0]}, {g[1]}-token document, {g[2]}-cell budget, {g[3]} needles", "",
                   "| method | ingest s | tok/s | peak RSS MiB | KV MiB (allocated) | compressions | accuracy % "
-                  "| found at depths | passage ppl | decode tok/s |", "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
+                  "| found at depths | passage ppl | decode tok/s | against the full cache, interleaved |",
+                  "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---|"]
         for m in dict.fromkeys(r["method"] for r in rs):
             ing = next((r for r in reversed(rs) if r["method"] == m and r["kind"] == "ingest"), None)  # the latest
             nd = sorted((r for r in rs if r["method"] == m and r["kind"] == "needle"), key=lambda r: r["depth"])
@@ -211,9 +253,11 @@ def report(rows: list[dict], path: Path) -> None:
             found = ", ".join(f"{r['depth']:.2f}" for r in nd if r["score"] > 0) or "none"
             ppl = next((f"{r['ppl']:.2f}" for r in reversed(rs) if r["method"] == m and r["kind"] == "ppl"), "")
             dec = next((f"{r['decode_tok_s']:.1f}" for r in reversed(rs) if r["method"] == m and r["kind"] == "decode"), "")
+            vs = next((f"{r['decode_tok_s']:.1f} against {r['full_decode_tok_s']:.1f} tok/s ({r['speedup']:.2f}x)"
+                       for r in reversed(rs) if r["method"] == m and r["kind"] == "decode_vs_full"), "")
             lines.append(f"| {m} | {ing['ingest_s']:.0f} | {ing['ingest_tok_s']:.0f} | {ing['peak_rss_mib']:.0f} "
                          f"| {ing['kv_mib']:.1f} ({ing['kv_allocated_mib']:.1f}) | {ing['compressions']} "
-                         f"| {acc:.0f} ({len(nd)} needles) | {found} | {ppl} | {dec} |")
+                         f"| {acc:.0f} ({len(nd)} needles) | {found} | {ppl} | {dec} | {vs} |")
         lines.append("")
     path.write_text("\n".join(lines))
     log(f"wrote {path}")
