@@ -229,7 +229,7 @@ def group_order(snap: KVSnapshot, members: np.ndarray) -> tuple[np.ndarray, np.n
 
 def group_ranks(snap: KVSnapshot, members: np.ndarray) -> np.ndarray:
     """Rank (0 = best) of every member of every group, as ``group_order`` orders them:
-    int [n_layer, n_kv_head, G, W], -1 padding."""
+    int [n_layer, n_kv_head, G, w] (w as there), -1 padding."""
     order, s = group_order(snap, members)
     rank = np.empty_like(order)
     np.put_along_axis(rank, order, np.arange(s.shape[-1]), axis=-1)
