@@ -112,6 +112,39 @@ def test_compaction_in_any_order_is_the_same_on_both_paths(smollm2, toks, ck, cv
     ctx.close()
 
 
+MERGE_CONFIGS = [("f16", "f16", "off"), ("f16", "f16", "on"), ("f32", "f32", "off"), ("q8_0", "q8_0", "on")]
+
+
+@pytest.mark.parametrize(("ck", "cv", "fa"), MERGE_CONFIGS, ids=[f"{k}-{v}-fa_{fa}" for k, v, fa in MERGE_CONFIGS])
+def test_merge_is_the_same_on_both_paths(smollm2, toks, ck, cv, fa, monkeypatch) -> None:
+    # an F32 or F16 cache in host memory merges without a graph: the same bytes and bias as
+    # the graph a GPU runs (q8_0 takes the graph both times), for groups with unused slots,
+    # a repeated member, and a group reading a cell another group's merge writes
+    ctx = _ctx(smollm2, ck, cv, fa)
+    eng = NativeEngine(ctx)
+    L, H = smollm2.arch.n_layer, smollm2.arch.n_head_kv
+    out = []
+    for path in ("host", "graph"):
+        monkeypatch.setenv("EDGEKV_GRAPH_OPS", "1" if path == "graph" else "0")
+        eng.reset()
+        prefill(eng, toks)
+        rng = np.random.default_rng(11)
+        G, M = 6, 4
+        # distinct cells (two groups with one target would race in the graph's set_rows)
+        members = np.stack([rng.choice(eng.n_cells, G * M, replace=False) for _ in range(L * H)]).reshape(L, H, G, M)
+        members[..., 2:][rng.random((L, H, G, M - 2)) < 0.3] = -1
+        members[:, :, 1, 1] = members[:, :, 0, 0]  # group 0's target, read by group 1
+        members[:, :, 2, 2] = members[:, :, 2, 1]  # a member twice
+        weights = (rng.random((L, H, G, M)) + 0.1).astype(np.float32)
+        before = ctx.state_get()
+        eng._merge_groups(members, weights)
+        out.append((ctx.state_get(), eng.bias_get()))
+        assert out[-1][0] != before  # the merge wrote something
+    assert out[0][0] == out[1][0]
+    assert np.array_equal(out[0][1], out[1][1])
+    ctx.close()
+
+
 READ_CONFIGS = CONFIGS + [("f16", "bf16", "off"), ("f16", "f32", "off")]  # every type a transposed V can have
 
 
