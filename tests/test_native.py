@@ -89,27 +89,39 @@ def test_native_and_state_compaction_leave_identical_caches(smollm2, toks, ck, c
     ctx.close()
 
 
-@pytest.mark.parametrize(("ck", "cv", "fa"), CONFIGS, ids=IDS)
-def test_compaction_in_any_order_is_the_same_on_both_paths(smollm2, toks, ck, cv, fa, monkeypatch) -> None:
-    # edgekv passes increasing cells (the host path then moves them in place); the C op
-    # takes any order, which the host path gathers through a copy: same bytes as the graph
-    ctx = _ctx(smollm2, ck, cv, fa)
+def _on_both_paths(model, toks, ck, cv, fa, monkeypatch, op, bias: bool = False) -> None:
+    """``op(engine, rng)`` after the same prefill, on the host path and on the graph a GPU
+    runs: the same cache bytes (and log-count bias) after each, and not the bytes before it."""
+    ctx = _ctx(model, ck, cv, fa)
     eng = NativeEngine(ctx)
-    L, H = smollm2.arch.n_layer, smollm2.arch.n_head_kv
-    blobs = []
+    out = []
     for path in ("host", "graph"):
         monkeypatch.setenv("EDGEKV_GRAPH_OPS", "1" if path == "graph" else "0")
         eng.reset()
         prefill(eng, toks)
+        before = ctx.state_get()
+        op(eng, np.random.default_rng(5))
+        out.append((ctx.state_get(), eng.bias_get(cell_order=True) if bias else None))
+        assert out[-1][0] != before
+    assert out[0][0] == out[1][0]
+    assert not bias or np.array_equal(out[0][1], out[1][1])
+    ctx.close()
+
+
+@pytest.mark.parametrize(("ck", "cv", "fa"), CONFIGS, ids=IDS)
+def test_compaction_in_any_order_is_the_same_on_both_paths(smollm2, toks, ck, cv, fa, monkeypatch) -> None:
+    # edgekv passes increasing cells (the host path then moves them in place); the C op
+    # takes any order, which the host path gathers through a copy: same bytes as the graph
+    L, H = smollm2.arch.n_layer, smollm2.arch.n_head_kv
+
+    def compact(eng: NativeEngine, rng: np.random.Generator) -> None:
         n, b = eng.n_cells, eng.n_cells // 2
-        rng = np.random.default_rng(5)
         keep = np.stack([rng.permutation(n)[:b] for _ in range(L * H)]).astype(np.int32)
         pos = np.arange(b, dtype=np.int32)
         assert eng.lib.llama_edgekv_seq_compact(eng._c, 0, b, eng.ffi.from_buffer("int32_t[]", keep),
                                                 eng.ffi.from_buffer("int32_t[]", pos)) == 0
-        blobs.append(ctx.state_get())
-    assert blobs[0] == blobs[1]
-    ctx.close()
+
+    _on_both_paths(smollm2, toks, ck, cv, fa, monkeypatch, compact)
 
 
 MERGE_CONFIGS = [("f16", "f16", "off"), ("f16", "f16", "on"), ("f32", "f32", "off"), ("q8_0", "q8_0", "on")]
@@ -118,31 +130,19 @@ MERGE_CONFIGS = [("f16", "f16", "off"), ("f16", "f16", "on"), ("f32", "f32", "of
 @pytest.mark.parametrize(("ck", "cv", "fa"), MERGE_CONFIGS, ids=[f"{k}-{v}-fa_{fa}" for k, v, fa in MERGE_CONFIGS])
 def test_merge_is_the_same_on_both_paths(smollm2, toks, ck, cv, fa, monkeypatch) -> None:
     # an F32 or F16 cache in host memory merges without a graph: the same bytes and bias as
-    # the graph a GPU runs (q8_0 takes the graph both times), for groups with unused slots,
-    # a repeated member, and a group reading a cell another group's merge writes
-    ctx = _ctx(smollm2, ck, cv, fa)
-    eng = NativeEngine(ctx)
-    L, H = smollm2.arch.n_layer, smollm2.arch.n_head_kv
-    out = []
-    for path in ("host", "graph"):
-        monkeypatch.setenv("EDGEKV_GRAPH_OPS", "1" if path == "graph" else "0")
-        eng.reset()
-        prefill(eng, toks)
-        rng = np.random.default_rng(11)
-        G, M = 6, 4
+    # the graph (q8_0 takes the graph both times), for groups with unused slots, a repeated
+    # member, and a group reading a cell another group's merge writes
+    L, H, G, M = smollm2.arch.n_layer, smollm2.arch.n_head_kv, 6, 4
+
+    def merge(eng: NativeEngine, rng: np.random.Generator) -> None:
         # distinct cells (two groups with one target would race in the graph's set_rows)
         members = np.stack([rng.choice(eng.n_cells, G * M, replace=False) for _ in range(L * H)]).reshape(L, H, G, M)
         members[..., 2:][rng.random((L, H, G, M - 2)) < 0.3] = -1
         members[:, :, 1, 1] = members[:, :, 0, 0]  # group 0's target, read by group 1
         members[:, :, 2, 2] = members[:, :, 2, 1]  # a member twice
-        weights = (rng.random((L, H, G, M)) + 0.1).astype(np.float32)
-        before = ctx.state_get()
-        eng._merge_groups(members, weights)
-        out.append((ctx.state_get(), eng.bias_get()))
-        assert out[-1][0] != before  # the merge wrote something
-    assert out[0][0] == out[1][0]
-    assert np.array_equal(out[0][1], out[1][1])
-    ctx.close()
+        eng._merge_groups(members, (rng.random((L, H, G, M)) + 0.1).astype(np.float32))
+
+    _on_both_paths(smollm2, toks, ck, cv, fa, monkeypatch, merge, bias=True)
 
 
 READ_CONFIGS = CONFIGS + [("f16", "bf16", "off"), ("f16", "f32", "off")]  # every type a transposed V can have
