@@ -124,23 +124,28 @@ def test_compaction_in_any_order_is_the_same_on_both_paths(smollm2, toks, ck, cv
     _on_both_paths(smollm2, toks, ck, cv, fa, monkeypatch, compact)
 
 
-MERGE_CONFIGS = [("f16", "f16", "off"), ("f16", "f16", "on"), ("f32", "f32", "off"), ("q8_0", "q8_0", "on")]
+MERGE_CONFIGS = [("f16", "f16", "off"), ("f16", "f16", "on"), ("f32", "f32", "off"), ("f16", "f32", "off"),
+                 ("q8_0", "q8_0", "on")]
 
 
 @pytest.mark.parametrize(("ck", "cv", "fa"), MERGE_CONFIGS, ids=[f"{k}-{v}-fa_{fa}" for k, v, fa in MERGE_CONFIGS])
 def test_merge_is_the_same_on_both_paths(smollm2, toks, ck, cv, fa, monkeypatch) -> None:
     # an F32 or F16 cache in host memory merges without a graph: the same bytes and bias as
     # the graph (q8_0 takes the graph both times), for groups with unused slots, a repeated
-    # member, and a group reading a cell another group's merge writes
+    # member, and a group reading a cell another group's merge writes; a token decoded
+    # before and one after (its K/V in later layers) show the next decode attends with the
+    # bias the merge turned on, not through the graph of the decode before it
     L, H, G, M = smollm2.arch.n_layer, smollm2.arch.n_head_kv, 6, 4
 
     def merge(eng: NativeEngine, rng: np.random.Generator) -> None:
+        eng.decode([toks[1]], eng.ctx.pos_max() + 1)
         # distinct cells (two groups with one target would race in the graph's set_rows)
         members = np.stack([rng.choice(eng.n_cells, G * M, replace=False) for _ in range(L * H)]).reshape(L, H, G, M)
         members[..., 2:][rng.random((L, H, G, M - 2)) < 0.3] = -1
         members[:, :, 1, 1] = members[:, :, 0, 0]  # group 0's target, read by group 1
         members[:, :, 2, 2] = members[:, :, 2, 1]  # a member twice
         eng._merge_groups(members, (rng.random((L, H, G, M)) + 0.1).astype(np.float32))
+        eng.decode([toks[2]], eng.ctx.pos_max() + 1)
 
     _on_both_paths(smollm2, toks, ck, cv, fa, monkeypatch, merge, bias=True)
 
