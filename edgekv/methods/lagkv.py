@@ -209,9 +209,9 @@ def group_order(snap: KVSnapshot, members: np.ndarray) -> tuple[np.ndarray, np.n
     """The slots of every group's members from best to worst (ties to the earlier member) by
     LagKV's scores, each group against the next: members int [n_layer, n_kv_head, G + 1, W]
     (ordinals, -1 padding at the end of a group) -> (order int [n_layer, n_kv_head, G, w],
-    padding last; scores float64, padding -inf), w <= W the widest scored group. Scored where the cache lives when the engine
-    can (``KVSnapshot.lag_scores``), else from K and V here; both give the same doubles, so
-    the same order."""
+    padding last; scores float64, padding -inf), w <= W the widest scored group. Scored
+    where the cache lives when the engine can (``KVSnapshot.lag_scores``), else from K and V
+    here; both give the same doubles, so the same order."""
     s = snap.lag_scores(members)
     if s is None:
         s = np.empty(members.shape[:2] + (members.shape[2] - 1, members.shape[3]))
