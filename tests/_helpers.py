@@ -7,8 +7,28 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 SCRIPT = Path(sys.executable).parent / "edgekv"
 CMD = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "edgekv.cli"]
+
+
+# KL (nats) under which two next-token distributions count as the same cache computed two
+# equally correct ways (rounding in another order, a re-quantisation that lands a code one
+# step over). Any such difference, even 1 q8_0 K code in 100,000 moved one step, moves
+# SmolLM2's logits by 0.4 to 1.2 and its KL to 2e-3..1.2e-2 (40 draws on the AVX2 and the
+# AVX-512 kernels); keys left unrotated give 0.21 to 0.25 (bench/kshift_noise.py,
+# bench/RESULTS.md). So: 4x the largest noise measured, 4x below that bug. Argmax equality
+# is no such test: where the top two logits lie closer than the noise (0.018 to 0.035 in
+# test_rerotate), the CPU's kernels pick the winner.
+KL_NOISE = 0.05
+
+
+def next_token_kl(ref: np.ndarray, got: np.ndarray) -> float:
+    """KL(ref || got) in nats between the next-token distributions of two logit vectors."""
+    from edgekv.bench.scoring import kl_top1, log_softmax
+
+    return kl_top1(log_softmax(ref)[None], log_softmax(got)[None])[0]
 
 
 def prefill(eng, toks: list[int], batch: int = 128) -> None:

@@ -30,6 +30,8 @@ from edgekv.capture import available as capture_available
 from edgekv.kvcache.native import NativeEngine
 from edgekv.llama import Context
 
+pytestmark = pytest.mark.kernels  # attention computed by llama.cpp's kernels
+
 TEXT = ("The lighthouse keeper wrote down every ship that passed, its flag, its cargo and the hour. "
         "On stormy nights the entries grew short. ") * 20
 

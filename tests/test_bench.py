@@ -10,6 +10,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from _helpers import KL_NOISE, next_token_kl
 
 from edgekv.bench import scoring, tasks
 from edgekv.errors import EdgekvError
@@ -336,15 +337,16 @@ def test_tiny_sweep_end_to_end(smollm2_path, tmp_path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("fa", "tol"), [("on", 0.05), ("off", 1.0)])
-def test_batched_scoring_matches_token_by_token(smollm2, fa: str, tol: float) -> None:
+@pytest.mark.kernels
+@pytest.mark.parametrize("fa", ["on", "off"])
+def test_batched_scoring_matches_token_by_token(smollm2, fa: str) -> None:
     """ppl scores a whole continuation in one batch; it must equal feeding it token by token.
 
     With flash attention the two paths are bit-identical. Without it, llama.cpp's
     CPU matmul takes another kernel for part of a batch, and the logits move by
-    up to about 0.7 (the same size as flash attention on against off); an
-    off-by-one in the batch's positions or logits would move them by far more
-    and change the argmax."""
+    up to about 0.7 (KL up to 2e-3 nats on the AVX-512 kernels, 4e-3 on the AVX2 ones:
+    rounding noise, ``KL_NOISE``); an off-by-one in the batch's positions or logits gives
+    a KL of 8.3 nats or more."""
     from edgekv.bench.runner import feed_logits
     from edgekv.session import Session
 
@@ -362,5 +364,6 @@ def test_batched_scoring_matches_token_by_token(smollm2, fa: str, tol: float) ->
             s.feed([t])
             single.append(s.logits())
     for a, b in zip(batched, single, strict=True):
-        assert np.argmax(a) == np.argmax(b)
-        assert np.abs(a - b).max() < tol
+        assert next_token_kl(b, a) < KL_NOISE
+        if fa == "on":
+            np.testing.assert_array_equal(a, b)

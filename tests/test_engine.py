@@ -11,6 +11,8 @@ from edgekv.errors import EdgekvError, StateLayoutError
 from edgekv.kvcache import CacheState, StateEngine, layout
 from edgekv.llama import Context
 
+pytestmark = pytest.mark.kernels  # bit-exact logits after round trips through quantised caches
+
 # (K type, V type, flash attention). A quantised V cache needs flash
 # attention in llama.cpp, so "q8_0 with FA off" quantises K only.
 CONFIGS = [("f16", "f16", "off"), ("f16", "f16", "on"), ("q8_0", "q8_0", "on"), ("q8_0", "f16", "off")]

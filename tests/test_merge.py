@@ -16,6 +16,8 @@ from edgekv.kvcache.native import NativeEngine
 from edgekv.llama import Context
 from edgekv.session import Session
 
+pytestmark = pytest.mark.kernels  # merged rows re-quantised and the attention that weighs them
+
 TEXT = " ".join(f"Entry {i}: the cart from {['Leeds', 'York', 'Bath'][i % 3]} brought {i * 7} sacks of flour."
                 for i in range(80))
 # (cache type, flash attention): f16 with a transposed V, and a quantised, Hadamard-rotated q8_0

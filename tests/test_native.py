@@ -20,6 +20,8 @@ from edgekv.llama import Context
 from edgekv.methods import get_method, lagkv
 from edgekv.session import Session
 
+pytestmark = pytest.mark.kernels  # cache bytes, merges and scores computed by ggml's kernels
+
 CONFIGS = [("f16", "f16", "off"), ("f16", "f16", "on"), ("q8_0", "q8_0", "on"), ("q8_0", "f16", "off")]
 IDS = [f"{k}-{v}-fa_{fa}" for k, v, fa in CONFIGS]
 TEXT = ("The lighthouse keeper wrote down every ship that passed, its flag, its cargo and the hour. "

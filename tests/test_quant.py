@@ -19,6 +19,8 @@ from edgekv.errors import StateLayoutError
 from edgekv.kvcache import quant
 from edgekv.kvcache.quant import GGML_TYPES, dequantize, quantize, row_size, type_by_name
 
+pytestmark = pytest.mark.kernels  # ggml's own quantisers, compiled for this CPU
+
 ALL_TYPES = sorted(GGML_TYPES)
 QUANT_TYPES = [t for t in ALL_TYPES if GGML_TYPES[t].block_size == 32]
 N = 256  # elements per row in the random tests (8 blocks)

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _helpers import KL_NOISE, next_token_kl
 
 from edgekv.errors import EdgekvError
 from edgekv.kvcache.rope import ROPE_NEOX, ROPE_NORM, Rope
 from edgekv.methods import KeyRerotation, get_method
 from edgekv.session import Session
+
+pytestmark = pytest.mark.kernels  # llama.cpp's K-shift and the next-token distribution after it
 
 TEXT = " ".join(f"Line {i}: the lighthouse keeper counted {i * 7 % 13} ships at dusk." for i in range(40))
 
@@ -62,8 +65,12 @@ def test_renumbering_rotates_keys_as_llama_cpps_k_shift(smollm2, engine: str, ct
             assert np.all(d <= 2 * ulp)
         else:
             assert d.mean() < 1e-4 * np.abs(kb).mean()
-        # the new tokens see (nearly) the same cache: the same next token
-        assert np.argmax(a.logits()) == np.argmax(b.logits())
+        # The new tokens see (nearly) the same cache: a next-token distribution within
+        # rounding noise of llama.cpp's. Not the same argmax: the two re-quantisations leave
+        # about 1 q8_0 K code in 100,000 one step apart (each as close to the exact rotation),
+        # which moves the KL to 3e-3..1.1e-2 nats like any such step (KL_NOISE), and llama.cpp's
+        # own top-2 gap here is 0.018 (AVX-512) to 0.035 (AVX2): the kernels pick the winner.
+        assert next_token_kl(b.logits(), a.logits()) < KL_NOISE
 
 
 @pytest.mark.parametrize("engine", ["state", "native"])

@@ -3,6 +3,9 @@ bounded memory under compression, save/restore, and the AMX guard."""
 
 from __future__ import annotations
 
+import os
+import platform
+import re
 import subprocess
 import sys
 import textwrap
@@ -12,7 +15,7 @@ import pytest
 
 from edgekv.errors import BudgetError, EdgekvError
 from edgekv.kvcache import layout
-from edgekv.llama import use_extra_bufts
+from edgekv.llama import cpu_features, use_extra_bufts
 from edgekv.session import Session
 
 PROMPT = ("Once upon a time, in a small village by the sea, there lived an old fisherman who "
@@ -165,6 +168,21 @@ def test_session_file_roundtrip_and_wrong_files(smollm2, tmp_path) -> None:
                 s3.load_file(path)
             assert "\n" not in str(e.value)
             assert s3.engine.n_cells == 10  # nothing lost
+
+
+@pytest.mark.kernels
+def test_the_build_runs_the_kernel_set_it_was_built_for() -> None:
+    """``EDGEKV_CPU=avx2`` (scripts/test_kernels.sh) must really run the AVX2 kernels, or a
+    second run of the kernel tests proves nothing; a native build reports what the CPU has."""
+    feats = set(cpu_features())
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86-64 kernel sets only")
+    assert {"AVX", "AVX2", "F16C", "FMA"} <= feats
+    if os.environ.get("EDGEKV_CPU") == "avx2":
+        assert not {f for f in feats if f.startswith(("AVX512", "AMX"))}
+    else:
+        with open("/proc/cpuinfo") as f:
+            assert ("AVX512" in feats) == bool(re.search(r"\bavx512f\b", f.read()))
 
 
 def test_extra_buffer_types_off_only_for_amx_builds_on_amx_cpus() -> None:

@@ -22,6 +22,8 @@ from edgekv.errors import EdgekvError
 from edgekv.kvcache import make_engine
 from edgekv.llama import Context
 
+pytestmark = pytest.mark.kernels  # window attention against llama.cpp's
+
 TEXT = ("The lighthouse keeper wrote down every ship that passed, its flag, its cargo and the hour. "
         "On stormy nights the entries grew short. ") * 20
 W = 24
