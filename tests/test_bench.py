@@ -342,11 +342,12 @@ def test_tiny_sweep_end_to_end(smollm2_path, tmp_path) -> None:
 def test_batched_scoring_matches_token_by_token(smollm2, fa: str) -> None:
     """ppl scores a whole continuation in one batch; it must equal feeding it token by token.
 
-    With flash attention the two paths are bit-identical. Without it, llama.cpp's
-    CPU matmul takes another kernel for part of a batch, and the logits move by
-    up to about 0.7 (KL up to 2e-3 nats on the AVX-512 kernels, 4e-3 on the AVX2 ones:
-    rounding noise, ``KL_NOISE``); an off-by-one in the batch's positions or logits gives
-    a KL of 8.3 nats or more."""
+    Without flash attention llama.cpp's CPU matmul takes another kernel for part of
+    a batch, and the logits move by up to about 0.7 (KL up to 2e-3 nats on the AVX-512
+    kernels, 4e-3 on the AVX2 ones: rounding noise, ``KL_NOISE``); an off-by-one in the
+    batch's positions or logits gives a KL of 8.3 nats or more. With it the two were
+    bit-identical on both x86 kernel sets, but only because 12 queries stay under
+    ggml's flash-attention tile and x86 repacks no Q8_0 weights, so that is not asserted."""
     from edgekv.bench.runner import feed_logits
     from edgekv.session import Session
 
@@ -365,5 +366,3 @@ def test_batched_scoring_matches_token_by_token(smollm2, fa: str) -> None:
             single.append(s.logits())
     for a, b in zip(batched, single, strict=True):
         assert next_token_kl(b, a) < KL_NOISE
-        if fa == "on":
-            np.testing.assert_array_equal(a, b)
