@@ -1,10 +1,13 @@
 #!/usr/bin/env python3
-"""Build llama-cpp-python 0.3.36 from its PyPI sdist with ggml_patches/ applied.
+"""Build llama-cpp-python 0.3.36 from its PyPI sdist with edgekv's native ops in it.
 
-The result is a wheel cached outside the clone under
-``$EDGEKV_HOME/wheels/<key>/`` (default ``~/.cache/edgekv``), keyed by
-everything that changes the binary: the llama-cpp-python version, the hash of
-every patch, the CMake flags, the compiler and the CPU features (ggml builds
+edgekv's own C++ (``native/llama/``: the public header ``include/llama-edgekv.h``
+and the ops in ``src/llama-edgekv.cpp``) is copied into ``vendor/llama.cpp`` at
+the same relative paths, then ``ggml_patches/`` applies the small edits to
+llama.cpp's own files that hook it in. The result is a wheel cached outside
+the clone under ``$EDGEKV_HOME/wheels/<key>/`` (default ``~/.cache/edgekv``),
+keyed by everything that changes the binary: the llama-cpp-python version, the
+hash of every source and patch, the CMake flags, the compiler and the CPU features (ggml builds
 with -march=native). CI and fresh clones on the same machine reuse it; a
 machine without the cache builds it (about 9 minutes on 2 cores; ccache makes
 rebuilds after a patch change much faster).
@@ -20,7 +23,7 @@ Options:
   ``--cuda-arch 86`` (or ``EDGEKV_CUDA_ARCH``) compiles one
   (``CMAKE_CUDA_ARCHITECTURES``), which bounds the time: each architecture
   compiles every kernel again.
-- ``--stock``: llama-cpp-python without the patch set, same flags (the
+- ``--stock``: llama-cpp-python without edgekv's sources and patches, same flags (the
   baseline of ``bench/patch_overhead.py``).
 - ``--target DIR``: install the wheel into DIR (``pip install --target``)
   instead of this Python.
@@ -51,6 +54,7 @@ from pathlib import Path
 VERSION = "0.3.36"
 ROOT = Path(__file__).resolve().parent.parent
 PATCH_DIR = ROOT / "ggml_patches"
+SOURCE_DIR = ROOT / "native" / "llama"  # copied into vendor/llama.cpp at the same relative paths
 CACHE = Path(os.environ.get("EDGEKV_HOME", Path.home() / ".cache" / "edgekv")).expanduser()  # as edgekv.models
 
 # AMX is compiled out: the AMX buffer type segfaults on batches of ~21+ tokens
@@ -79,6 +83,11 @@ def log(msg: str) -> None:
 
 def patches(stock: bool = False) -> list[Path]:
     return [] if stock else sorted(PATCH_DIR.glob("*.patch"))
+
+
+def sources(stock: bool = False) -> list[Path]:
+    """edgekv's files to copy into llama.cpp, relative to ``SOURCE_DIR``."""
+    return [] if stock else sorted(p.relative_to(SOURCE_DIR) for p in SOURCE_DIR.rglob("*") if p.is_file())
 
 
 def cpu_signature() -> str:
@@ -148,6 +157,8 @@ def cmake_flags(cuda: bool, cpu: str = "native") -> list[str]:
 def build_key(cuda: bool, cpu: str = "native", stock: bool = False) -> str:
     h = hashlib.sha256()
     h.update(f"llama-cpp-python=={VERSION}\n".encode())
+    for rel in sources(stock):
+        h.update(rel.as_posix().encode() + b"\n" + (SOURCE_DIR / rel).read_bytes())
     for p in patches(stock):
         h.update(p.name.encode() + b"\n" + p.read_bytes())
     if stock:
@@ -176,7 +187,15 @@ def fetch_sdist() -> Path:
 
 
 def apply_patches(src: Path, stock: bool = False) -> None:
+    """Copy edgekv's sources into the vendored llama.cpp, then apply the patches in order."""
     vendor = src / "vendor" / "llama.cpp"
+    for rel in sources(stock):
+        dest = vendor / rel
+        if dest.exists():
+            sys.exit(f"[edgekv build] llama.cpp in llama-cpp-python {VERSION} already has {rel}; "
+                     f"edgekv's copy would replace it")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(SOURCE_DIR / rel, dest)
     for p in patches(stock):
         log(f"applying {p.name}")
         r = subprocess.run(["patch", "-p1", "--forward", "--batch", "-i", str(p)], cwd=vendor,
@@ -190,7 +209,7 @@ def build(cuda: bool, cpu: str = "native", stock: bool = False) -> Path:
     key = build_key(cuda, cpu, stock)
     out = CACHE / "wheels" / key
     wheels = list(out.glob("llama_cpp_python-*.whl")) if out.is_dir() else []
-    what = f"patches: {len(patches(stock))}, cpu: {cpu}"
+    what = f"sources: {len(sources(stock))}, patches: {len(patches(stock))}, cpu: {cpu}"
     if wheels:
         log(f"cached build {key} ({what})")
         return wheels[0]

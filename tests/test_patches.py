@@ -1,5 +1,6 @@
-"""The patch set applies cleanly, in order, to the pinned llama.cpp source
-(the llama-cpp-python sdist that setup downloads), and its README names every patch."""
+"""edgekv's sources copy into, and the patch set applies cleanly, in order, to the pinned
+llama.cpp source (the llama-cpp-python sdist that setup downloads); every patch stays small
+and its README names it."""
 
 from __future__ import annotations
 
@@ -36,10 +37,31 @@ def test_patches_apply_in_order_to_the_pinned_source(tmp_path) -> None:
     # the header's version is the one the bindings are written for
     assert f"LLAMA_EDGEKV_API_VERSION {NATIVE_API}" in header and "enum llama_edgekv_status" in header
     assert "llama_edgekv_seq_compact" in (vendor / "src" / "llama-edgekv.cpp").read_text()
-    # one header, written by one patch
-    touching = [p.name for p in patches if "+++ b/include/llama-edgekv.h" in p.read_text()]
-    assert touching == ["0001-edgekv-api-entry-point.patch"]
+    # edgekv's files are copies of native/llama/; the patches only edit llama.cpp's own files
+    for rel in bl.sources():
+        assert (vendor / rel).read_bytes() == (bl.SOURCE_DIR / rel).read_bytes()
+    for p in patches:
+        text = p.read_text()
+        assert "--- /dev/null" not in text and "@@ -0,0 " not in text, f"{p.name} adds a file"
+        added = sum(1 for ln in text.splitlines() if ln.startswith("+") and not ln.startswith("+++"))
+        assert added <= 300, f"{p.name} adds {added} lines"
     assert not list(vendor.rglob("*.rej"))
     readme = (ROOT / "ggml_patches" / "README.md").read_text()
     for p in patches:
         assert f"`{p.name}`" in readme
+
+
+def test_a_changed_source_changes_the_wheel_key(tmp_path, monkeypatch) -> None:
+    """A wheel built from other sources is never reused: the key hashes every copied file."""
+    bl = _build_llama()
+    before = bl.build_key(False)
+    fake = tmp_path / "llama"
+    for rel in bl.sources():
+        (fake / rel).parent.mkdir(parents=True, exist_ok=True)
+        (fake / rel).write_bytes((bl.SOURCE_DIR / rel).read_bytes())
+    monkeypatch.setattr(bl, "SOURCE_DIR", fake)
+    assert bl.build_key(False) == before
+    cpp = fake / "src" / "llama-edgekv.cpp"
+    cpp.write_bytes(cpp.read_bytes() + b"\n")
+    assert bl.build_key(False) != before
+    assert bl.build_key(False, stock=True) == bl.build_key(False, stock=True)  # stock ignores them

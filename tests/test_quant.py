@@ -99,22 +99,19 @@ class Ggml:
         return out
 
 
-def _lib_dir() -> pathlib.Path | None:
+def _lib_dir() -> pathlib.Path:
+    """llama-cpp-python's library folder (a dependency of edgekv), or EDGEKV_GGML_LIB_DIR."""
     env = os.environ.get("EDGEKV_GGML_LIB_DIR")
     if env:
         return pathlib.Path(env)
     spec = importlib.util.find_spec("llama_cpp")
-    if spec is None or spec.origin is None:
-        return None
+    assert spec is not None and spec.origin is not None, "llama-cpp-python is a dependency of edgekv"
     return pathlib.Path(spec.origin).parent / "lib"
 
 
 @pytest.fixture(scope="module")
 def ggml() -> Ggml:
-    d = _lib_dir()
-    if d is None:
-        pytest.skip("llama-cpp-python is not installed: no real ggml to compare against")
-    return Ggml(ctypes.CDLL(str(d / "libggml-base.so")))
+    return Ggml(ctypes.CDLL(str(_lib_dir() / "libggml-base.so")))
 
 
 # --------------------------------------------------------------------------- data
