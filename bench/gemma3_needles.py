@@ -28,6 +28,7 @@ import numpy as np
 from edgekv.bench import protocol, runner, scoring, tasks
 from edgekv.bench.results import machine, write_json
 from edgekv.bench.speed import long_text_tokens
+from edgekv.config import BudgetRule
 from edgekv.methods import get_method
 from edgekv.models import resolve_model
 from edgekv.session import Session
@@ -84,7 +85,7 @@ def main() -> None:
         cut = prompt.context.index(sample.answers[0])
         a0 = len(sess.model.tokenize(prompt.context[:cut], add_special=True))
         a1 = len(sess.model.tokenize(prompt.context[: cut + len(sample.answers[0])], add_special=True))
-        target = protocol.target_cells(n, a.ratio)
+        target = BudgetRule(ratio=a.ratio, capacity=sess.capacity).target(n)
         row: dict[str, object] = {"sample": i, "cells": n, "needle_tokens": [a0, a1],
                                   "depth": sample.meta["depths"][0]}
         protocol.compress_once(sess, pre, "full")

@@ -200,6 +200,7 @@ def overlap(args, model_path: Path, out: Path, log) -> dict:
 
     from edgekv.bench import tasks
     from edgekv.bench.runner import Grid, prepare
+    from edgekv.config import BudgetRule
     from edgekv.kvcache.engine import KVSnapshot
     from edgekv.kvcache.queries import QueryWindow
     from edgekv.llama import Model
@@ -247,7 +248,7 @@ def overlap(args, model_path: Path, out: Path, log) -> dict:
             want = np.stack([seen[i]["kept"] for i in layers])  # [L, H, B]
             for impl, (m, params) in variants.items():
                 method = get_method(m, **params)
-                method.bind(None, ratio)
+                method.bind(BudgetRule(ratio=ratio))
                 got = method.select(snap, want.shape[2])
                 share = np.array([[len(set(got[li, h]) & set(want[li, h])) / want.shape[2]
                                    for h in range(want.shape[1])] for li in range(want.shape[0])])

@@ -27,6 +27,7 @@ from pathlib import Path
 from bench.passkey import QUESTION, make_sample  # noqa: E402
 from edgekv.bench import protocol
 from edgekv.bench.results import RESULTS, machine, write_json
+from edgekv.config import BudgetRule
 
 BASELINES = ("streaming_llm", "knorm")
 
@@ -53,7 +54,7 @@ def run_model(model_arg: str, a: argparse.Namespace, rows: list[dict], save) -> 
         for R in ratios:
             for L in lags:
                 m = LagKV(L=L)
-                m.bind(None, R)  # the paper's ratio mode: r = 1 - R
+                m.bind(BudgetRule(ratio=R))  # the paper's ratio mode: r = 1 - R
                 cells = retained_cells(n_prompt, m.sinks, L, m.keep_per_partition)
                 info = {"L": L, "ratio": R}
                 trials += [(m, cells, info)] + [(get_method(b), cells, info) for b in BASELINES]

@@ -6,15 +6,20 @@ else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import os
 import sys
+import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from .bench.cli import bench_app as _bench_app
+from .config import DEFAULT_CHUNK, BudgetRule, ContextOptions
 from .errors import EdgekvError
 
 try:  # typer >= 0.20 vendors click; older releases use click itself
@@ -125,19 +130,70 @@ def _parse_params(items: list[str] | None) -> dict[str, object]:
     return out
 
 
-def _session(model: str | None, method: str, budget: int | None, ratio: float | None,
-             n_ctx: int | None, ctk: str, ctv: str, fa: str, threads: int | None,
-             params: list[str] | None, chunk: int = 256, engine: str = "auto"):
+@dataclass(frozen=True)
+class SessionArgs:
+    """The options every session-opening command shares (chat, generate, serve), parsed once
+    into the context options and the budget rule the Session, the server and the benchmarks
+    take (``edgekv/config.py``)."""
+
+    method: str
+    budget: int | None
+    ratio: float | None
+    n_ctx: int | None
+    cache_type_k: str
+    cache_type_v: str
+    flash_attn: str
+    threads: int | None
+    param: list[str] | None
+    engine: str
+
+    def options(self) -> ContextOptions:
+        return ContextOptions(self.cache_type_k, self.cache_type_v, self.flash_attn, self.threads, self.engine)
+
+    def rule(self, n_ctx_train: int | None, *, interactive: bool) -> BudgetRule:
+        """Defaults applied and the rule checked, once: ``interactive`` (chat, serve) gives a
+        compressing method named without a budget, ratio or --n-ctx 1024 cells."""
+        return BudgetRule.make(self.method, budget=self.budget, ratio=self.ratio, params=_parse_params(self.param),
+                               n_ctx=self.n_ctx, chunk=DEFAULT_CHUNK, n_ctx_train=n_ctx_train,
+                               interactive=interactive)
+
+
+_SESSION_OPTIONS = [  # (name, annotation, default), in the order --help lists them
+    ("method", MethodOpt, "streaming_llm"), ("budget", BudgetOpt, None), ("ratio", RatioOpt, None),
+    ("n_ctx", NCtxOpt, None), ("cache_type_k", CtkOpt, "f16"), ("cache_type_v", CtvOpt, "f16"),
+    ("flash_attn", FaOpt, "auto"), ("threads", ThreadsOpt, None), ("param", ParamOpt, None),
+    ("engine", EngineOpt, "auto"),
+]
+
+
+def session_options(fn):
+    """Give a command the shared session options (declared once, above): they reach it as
+    one ``opts: SessionArgs`` argument, after its ``model`` argument in --help."""
+    sig = inspect.signature(fn)
+    hints = typing.get_type_hints(fn, include_extras=True)  # this module's annotations are strings
+    own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY, annotation=hints[p.name])
+           for p in sig.parameters.values() if p.name != "opts"]
+    shared = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=d, annotation=a)
+              for n, a, d in _SESSION_OPTIONS]
+
+    @functools.wraps(fn)
+    def command(**kw):
+        opts = SessionArgs(**{n: kw.pop(n) for n, _, _ in _SESSION_OPTIONS})
+        return fn(opts=opts, **kw)
+
+    params = own[:1] + shared + own[1:]
+    command.__signature__ = sig.replace(parameters=params, return_annotation=None)
+    command.__annotations__ = {p.name: p.annotation for p in params}
+    return command
+
+
+def _session(model: str | None, opts: SessionArgs, *, interactive: bool):
+    from .llama import Model
     from .models import resolve_model
     from .session import Session
 
-    params_dict = _parse_params(params)
-    path = resolve_model(model)
-    return Session(
-        path, method=method, budget=budget, ratio=ratio, n_ctx=n_ctx, chunk=chunk,
-        cache_type_k=ctk, cache_type_v=ctv, flash_attn=fa, n_threads=threads,
-        method_params=params_dict, engine=engine,
-    )
+    mdl = Model(resolve_model(model))
+    return Session(mdl, options=opts.options(), rule=opts.rule(mdl.arch.n_ctx_train, interactive=interactive))
 
 
 def _progress_bar(label: str):
@@ -162,16 +218,6 @@ def _progress_bar(label: str):
     return prog, cb
 
 
-def _stats_dict(s) -> dict[str, object]:
-    return {
-        "capacity": s.capacity, "cells": s.cells, "peak_cells": s.peak_cells,
-        "compressions": s.compressions, "tokens_seen": s.tokens_seen,
-        "tokens_evicted": s.tokens_evicted, "kv_bytes": s.kv_bytes,
-        "kv_bytes_per_cell": s.kv_bytes_per_cell, "compress_seconds": s.compress_seconds,
-        "events": s.events,
-    }
-
-
 def _check_writable(path: Path | None, opt: str) -> None:
     """Fail before the (slow) model run, not after it, if ``path`` cannot be written."""
     if path is None:
@@ -191,31 +237,16 @@ def _write_json(path: Path, data: object, opt: str) -> None:
         raise EdgekvError(f"cannot write {opt} {path}: {e.strerror or e}") from None
 
 
-def _interactive_budget(method: str, budget: int | None, ratio: float | None, n_ctx: int | None) -> int | None:
-    """Chat and serve: a compressing method given no budget rule keeps 1024 cells."""
-    if budget is None and ratio is None and n_ctx is None and method != "full":
-        return 1024
-    return budget
-
-
 def _stats_line(s) -> str:
     return (f"[cells {s.cells}/{s.capacity} | seen {s.tokens_seen} | kept {100 * s.kept_fraction:.0f}% | "
             f"compressions {s.compressions} | KV {s.kv_bytes / 2**20:.1f} MiB]")
 
 
 @app.command()
+@session_options
 def chat(
     model: ModelArg = None,
-    method: MethodOpt = "streaming_llm",
-    budget: BudgetOpt = None,
-    ratio: RatioOpt = None,
-    n_ctx: NCtxOpt = None,
-    cache_type_k: CtkOpt = "f16",
-    cache_type_v: CtvOpt = "f16",
-    flash_attn: FaOpt = "auto",
-    threads: ThreadsOpt = None,
-    param: ParamOpt = None,
-    engine: EngineOpt = "auto",
+    opts: SessionArgs | None = None,
     max_tokens: Annotated[int, typer.Option(help="Longest reply, in tokens.")] = 512,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.7,
     seed: int = 0,
@@ -235,13 +266,12 @@ def chat(
     turns: list[dict[str, object]] = []
     try:
         _check_writable(stats_json, "--stats-json")
-        budget = _interactive_budget(method, budget, ratio, n_ctx)
-        sess = _session(model, method, budget, ratio, n_ctx, cache_type_k, cache_type_v, flash_attn, threads, param,
-                        engine=engine)
+        sess = _session(model, opts, interactive=True)
         conv = Chat(sess, system=system)
         cfg = SamplerConfig(temperature=temperature, seed=seed)
         interactive = sys.stdin.isatty()
         if interactive:
+            budget = sess.rule.budget
             typer.echo(f"edgekv chat: {sess.model.path.name}, method {sess.method.name}, "
                        f"n_ctx {sess.capacity}" + (f", budget {budget}" if budget else "") + ". /quit to end.")
         while True:
@@ -276,27 +306,19 @@ def chat(
             if show_stats:
                 typer.echo(_stats_line(s), err=True)
         if stats_json:
-            _write_json(stats_json, {**_stats_dict(sess.stats), "turns": turns}, "--stats-json")
+            _write_json(stats_json, {**sess.stats.as_dict(), "turns": turns}, "--stats-json")
     except EdgekvError as e:
         _fail(e)
 
 
 @app.command()
+@session_options
 def generate(
     model: ModelArg = None,
     prompt_file: Annotated[Path | None, typer.Option("--prompt-file", "-f", help="Read the prompt from this file ('-' = stdin).")] = None,
     prompt: Annotated[str | None, typer.Option("--prompt", help="Prompt text.")] = None,
     question: Annotated[str | None, typer.Option("--question", "-q", help="Ask this about the prompt, query-aware: it is appended to the prompt and compressed with it (attention methods see it in their observation window): with --budget the cache is brought down to the budget once more before the answer; with --ratio the prompt is compressed once after the question unless it already had to be.")] = None,
-    method: MethodOpt = "streaming_llm",
-    budget: BudgetOpt = None,
-    ratio: RatioOpt = None,
-    n_ctx: NCtxOpt = None,
-    cache_type_k: CtkOpt = "f16",
-    cache_type_v: CtvOpt = "f16",
-    flash_attn: FaOpt = "auto",
-    threads: ThreadsOpt = None,
-    param: ParamOpt = None,
-    engine: EngineOpt = "auto",
+    opts: SessionArgs | None = None,
     max_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 256,
     temperature: float = 0.0,
     seed: int = 0,
@@ -330,8 +352,7 @@ def generate(
             if not question.strip():
                 raise EdgekvError("the question is empty")
             text = f"{text.rstrip()}\n\n{question.strip()}"
-        sess = _session(model, method, budget, ratio, n_ctx, cache_type_k, cache_type_v, flash_attn, threads, param,
-                        engine=engine)
+        sess = _session(model, opts, interactive=False)
         if chat_template:
             text = sess.model.apply_chat_template([{"role": "user", "content": text}])
         prog, cb = _progress_bar("prefill")
@@ -347,7 +368,7 @@ def generate(
         sys.stdout.write("\n")
         typer.echo(_stats_line(sess.stats), err=True)
         if stats_json:
-            _write_json(stats_json, _stats_dict(sess.stats), "--stats-json")
+            _write_json(stats_json, sess.stats.as_dict(), "--stats-json")
     except EdgekvError as e:
         _fail(e)
 
@@ -362,18 +383,10 @@ def _model_id(arg: str | None, path: Path) -> str:
 
 
 @app.command()
+@session_options
 def serve(
     model: ModelArg = None,
-    method: MethodOpt = "streaming_llm",
-    budget: BudgetOpt = None,
-    ratio: RatioOpt = None,
-    n_ctx: NCtxOpt = None,
-    cache_type_k: CtkOpt = "f16",
-    cache_type_v: CtvOpt = "f16",
-    flash_attn: FaOpt = "auto",
-    threads: ThreadsOpt = None,
-    param: ParamOpt = None,
-    engine: EngineOpt = "auto",
+    opts: SessionArgs | None = None,
     host: Annotated[str, typer.Option(help="Address to bind; 127.0.0.1 keeps the server on this machine.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port.")] = 8080,
     api_key: Annotated[str | None, typer.Option(help="Require 'Authorization: Bearer KEY' on /v1/ requests.")] = None,
@@ -404,28 +417,26 @@ def serve(
             raise EdgekvError("--max-live must be 1..64 and --max-conversations at least --max-live")
         if max_prompt_tokens < 1 or max_tokens < 1:
             raise EdgekvError("--max-prompt-tokens and --max-tokens must be positive")
-        budget = _interactive_budget(method, budget, ratio, n_ctx)
         path = resolve_model(model)
         mdl = Model(path)
-        chunk = 256
-        if n_ctx is None:  # as a Session would choose
-            n_ctx = budget + chunk if budget is not None else min(mdl.arch.n_ctx_train or 4096, 4096)
+        rule = opts.rule(mdl.arch.n_ctx_train, interactive=True)
         own_dir = state_dir is None
         if state_dir is None:
             root = edgekv_home() / "server"
             root.mkdir(parents=True, exist_ok=True)
             state_dir = Path(tempfile.mkdtemp(prefix="conversations-", dir=root))
         cfg = ServerConfig(
-            model=mdl, model_id=model_name or _model_id(model, path),
-            n_ctx=n_ctx, defaults=Settings(method, budget, ratio, tuple(sorted(_parse_params(param).items()))),
-            state_dir=state_dir, cache_type_k=cache_type_k, cache_type_v=cache_type_v, flash_attn=flash_attn,
-            threads=threads, engine=engine, chunk=chunk, max_live=max_live, max_conversations=max_conversations,
+            model=mdl, model_id=model_name or _model_id(model, path), n_ctx=rule.capacity,
+            defaults=Settings(rule.method_name, rule.budget, rule.ratio, rule.params),
+            state_dir=state_dir, options=opts.options(), max_live=max_live, max_conversations=max_conversations,
             max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens, temperature=temperature,
             persist=not own_dir,
         )
         server = App(cfg, api_key=api_key)
-        typer.echo(f"edgekv serve: http://{host}:{port}/  model {cfg.model_id}, method {method}, n_ctx {n_ctx}"
-                   + (f", budget {budget}" if budget else "") + (f", ratio {ratio}" if ratio else "")
+        budget, ratio = rule.budget, rule.ratio
+        typer.echo(f"edgekv serve: http://{host}:{port}/  model {cfg.model_id}, method {rule.method_name}, "
+                   f"n_ctx {rule.capacity}" + (f", budget {budget}" if budget else "")
+                   + (f", ratio {ratio}" if ratio else "")
                    + f", up to {max_live} live conversations", err=True)
         try:
             run_server(server, host, port)

@@ -6,18 +6,15 @@ compressed by the configured method, through the engine, and decoding goes
 on. So a prompt far longer than ``n_ctx`` is processed in bounded KV memory,
 and a chat never runs out of context.
 
-Budget conventions (the CLI documents the same):
-
-- ``budget=N``: each compression brings the cache down to N cells. A cell is
-  one cached token per (layer, KV head); memory is ``N x kv_bytes_per_cell``.
-- ``ratio=R``: each compression *removes* a fraction R of the cells present
-  (kvpress's ``compression_ratio``; R=0.75 keeps 25 %).
+The budget rule (``budget``, ``ratio``, and what each means) and the context
+options live in ``config.py``; a Session is given both, or makes them once from
+its keywords.
 """
 
 from __future__ import annotations
 
 import codecs
-import math
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -26,12 +23,14 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .config import DEFAULT_CHUNK, BudgetRule, ContextOptions
 from .errors import BudgetError, EdgekvError
 from .gguf_info import kv_bytes_per_token
 from .kvcache import CacheState, make_engine
 from .kvcache.files import load_cache_file, save_cache_file
 from .llama import Context, Model, Sampler, SamplerConfig
-from .methods import Method, get_method
+from .methods import Method
+from .methods.base import Why
 
 ProgressFn = Callable[[int, int], None]
 
@@ -45,6 +44,27 @@ class Event(NamedTuple):
 
 
 CompressFn = Callable[[Event], None]
+
+
+@dataclass
+class Reply:
+    """How a stream ended: ``finish`` "stop" (end of generation or a stop string) or
+    "length" (``max_tokens``, or a full cache), the tokens generated, the text sent."""
+
+    finish: str = "length"
+    tokens: int = 0
+    text: str = ""
+
+
+def _hold_back(text: str, stops: tuple[str, ...]) -> int:
+    """How many trailing characters of ``text`` could begin a stop string (not sent yet)."""
+    n = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), n, -1):
+            if text.endswith(s[:k]):
+                n = k
+                break
+    return n
 
 
 @dataclass
@@ -73,6 +93,17 @@ class Stats:
     def kept_fraction(self) -> float:
         return self.cells / self.tokens_seen if self.tokens_seen else 1.0
 
+    def as_dict(self) -> dict[str, object]:
+        """The counters as JSON-ready values (``--stats-json``, the server's saved index),
+        with ``kv_bytes``; ``from_dict`` reads them back."""
+        return {**dataclasses.asdict(self), "events": [list(e) for e in self.events], "kv_bytes": self.kv_bytes}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, object]) -> Stats:
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known and k != "events"},
+                   events=[Event(*e) for e in d.get("events", [])])
+
 
 class Session:
     """One sequence on one model, with bounded-memory decoding.
@@ -91,7 +122,7 @@ class Session:
         budget: int | None = None,
         ratio: float | None = None,
         n_ctx: int | None = None,
-        chunk: int = 256,
+        chunk: int = DEFAULT_CHUNK,
         cache_type_k: str = "f16",
         cache_type_v: str = "f16",
         flash_attn: str = "auto",
@@ -101,12 +132,18 @@ class Session:
         observe: int = 0,
         tally: bool = False,
         on_compress: CompressFn | None = None,
+        options: ContextOptions | None = None,
+        rule: BudgetRule | None = None,
     ) -> None:
         """``model``: a GGUF path, a ``Model``, or an open ``llama_cpp.Llama`` whose loaded
-        weights are shared (``Model.from_llama``). ``observe``: record the newest queries of
-        that many tokens from the start, and ``tally``: the attention every cell accumulates
-        (H2O), for attention methods a later ``use`` switches to (a method given here records
-        what it needs by itself). ``on_compress`` is called after every compression."""
+        weights are shared (``Model.from_llama``). The context keywords (cache types, flash
+        attention, threads, engine, chunk) make a ``ContextOptions`` and the budget keywords
+        (method, budget, ratio, n_ctx, method_params) a ``BudgetRule``; callers that built
+        those already (the CLI, the server, the benchmarks) pass ``options`` and ``rule``
+        instead. ``observe``: record the newest queries of that many tokens from the start,
+        and ``tally``: the attention every cell accumulates (H2O), for attention methods a
+        later ``use`` switches to (a method given here records what it needs by itself).
+        ``on_compress`` is called after every compression."""
         if isinstance(model, Model):
             self.model = model
         elif isinstance(model, (str, Path)):
@@ -114,37 +151,37 @@ class Session:
         else:
             self.model = Model.from_llama(model)
         self.on_compress = on_compress
-        method = method if isinstance(method, Method) else get_method(method, **(method_params or {}))
-        if chunk < 1:
-            raise BudgetError(f"chunk must be positive, got {chunk}")
+        if options is None:
+            options = ContextOptions(cache_type_k, cache_type_v, flash_attn, n_threads, engine, chunk)
         arch = self.model.arch
-        if n_ctx is None:
-            n_ctx = budget + chunk if budget is not None else min(arch.n_ctx_train or 4096, 4096)
-        self.capacity = n_ctx  # edgekv's promise in cells; llama.cpp may round its allocation (ctx.n_ctx) up
-        self._chunk_request = chunk
-        check_budget(method, budget, ratio, n_ctx)
-        n_batch = _chunk_for(method, budget, ratio, n_ctx, chunk)
+        if rule is None:
+            rule = BudgetRule.make(method, budget=budget, ratio=ratio, params=method_params, n_ctx=n_ctx,
+                                   chunk=options.chunk, n_ctx_train=arch.n_ctx_train)
+        self.options = options
+        self.capacity = rule.capacity  # edgekv's promise in cells; llama.cpp may round its allocation (ctx.n_ctx) up
+        first = rule.build()
+        n_batch = rule.chunk(first, options.chunk)
         self.ctx = Context(
             self.model,
             # iSWA models (Gemma 3): llama.cpp sizes the sliding-window cache min(n_ctx, window +
             # batch), and it must hold a whole window plus a batch however far the positions run,
             # while compression keeps only the full-attention cells within the capacity
-            n_ctx=max(n_ctx, arch.n_swa + n_batch) if arch.n_swa else n_ctx,
+            n_ctx=max(rule.capacity, arch.n_swa + n_batch) if arch.n_swa else rule.capacity,
             n_batch=n_batch,
-            cache_type_k=cache_type_k,
-            cache_type_v=cache_type_v,
-            flash_attn=flash_attn,
-            n_threads=n_threads,
+            cache_type_k=options.cache_type_k,
+            cache_type_v=options.cache_type_v,
+            flash_attn=options.flash_attn,
+            n_threads=options.n_threads,
         )
-        self.engine = make_engine(self.ctx, engine)
-        per_cell = kv_bytes_per_token(self.model.info, cache_type_k, cache_type_v)
-        self.stats = Stats(capacity=n_ctx, kv_bytes_per_cell=per_cell)
+        self.engine = make_engine(self.ctx, options.engine)
+        per_cell = kv_bytes_per_token(self.model.info, options.cache_type_k, options.cache_type_v)
+        self.stats = Stats(capacity=rule.capacity, kv_bytes_per_cell=per_cell)
         self.n_past = 0  # next position to decode at (pos_max + 1)
         self._sampler: Sampler | None = None
         self._has_logits = False
         if observe or tally:
             self.engine.observe(max(observe, 1), tally=tally)
-        self.use(method, budget=budget, ratio=ratio)
+        self.apply(rule, first)
 
     def use(self, method: str | Method, *, budget: int | None = None, ratio: float | None = None,
             scheduled: bool = True, **params: object) -> None:
@@ -152,7 +189,35 @@ class Session:
         halve when full). ``scheduled=False`` runs the method one-shot: its own schedule
         (LagKV's incremental steps) is never asked, only full caches and explicit
         ``compress`` calls compress. The cache is kept as it is."""
-        method = method if isinstance(method, Method) else get_method(method, **params)
+        rule = self.rule.but(method, budget=budget, ratio=ratio, params=params or None)
+        self.apply(rule, scheduled=scheduled)
+
+    def apply(self, rule: BudgetRule, method: Method | None = None, *, scheduled: bool = True) -> None:
+        """Compress under ``rule`` from now on, with ``method`` when the caller built it with
+        ``rule.build()`` already (the server builds one per conversation), else built (and the
+        rule checked) here. Refuses, with nothing changed, a method this engine cannot run.
+        The cache is kept as it is."""
+        if rule.capacity != self.capacity:
+            raise BudgetError(f"a rule for --n-ctx {rule.capacity} on a session of {self.capacity} cells")
+        method = rule.build() if method is None else method
+        self.check_method(method)
+        method.attach(self.model.info)
+        window = self.engine.window
+        size = window.size if window is not None else 0
+        if method.queries_needed > size or (method.tallies and self.engine.tally is None):
+            # records from the next decoded token on
+            self.engine.observe(max(size, method.queries_needed), tally=method.tallies or self.engine.tally is not None)
+        method.bind(rule)
+        self.rule = rule
+        self.method = method
+        self.budget = rule.budget
+        self.ratio = rule.ratio
+        self.scheduled = scheduled
+        self.chunk = min(rule.chunk(method, self.options.chunk), self.ctx.n_batch)
+        self._since_compress = 0
+
+    def check_method(self, method: Method) -> None:
+        """The one-line error for a method this session's engine cannot run."""
         missing = method.needs - self.engine.capabilities
         if "queries" in missing:
             raise EdgekvError(f"method {method.name!r} reads the queries, which need edgekv's tensor capture "
@@ -162,20 +227,6 @@ class Session:
                 f"method {method.name!r} needs {', '.join(sorted(missing))}, which the {self.engine.name} engine "
                 "lacks (the native engine has it: a patched libllama and a model without sliding-window layers)"
             )
-        check_budget(method, budget, ratio, self.capacity)
-        method.attach(self.model.info)
-        window = self.engine.window
-        size = window.size if window is not None else 0
-        if method.queries_needed > size or (method.tallies and self.engine.tally is None):
-            # records from the next decoded token on
-            self.engine.observe(max(size, method.queries_needed), tally=method.tallies or self.engine.tally is not None)
-        method.bind(budget, ratio)
-        self.method = method
-        self.budget = budget
-        self.ratio = ratio
-        self.scheduled = scheduled
-        self.chunk = min(_chunk_for(method, budget, ratio, self.capacity, self._chunk_request), self.ctx.n_batch)
-        self._since_compress = 0
 
     def reset(self) -> None:
         """Empty the sequence and its counters for a new document; the context stays allocated."""
@@ -186,27 +237,22 @@ class Session:
         self.stats = Stats(capacity=self.capacity, kv_bytes_per_cell=self.stats.kv_bytes_per_cell)
 
     # -- cache ---------------------------------------------------------------
-    def _target(self, cells: int) -> int:
-        if self.budget is not None:
-            return self.budget
-        if self.ratio is not None:
-            return max(1, math.floor(cells * (1.0 - self.ratio)))
-        return max(1, cells // 2)  # method given without budget/ratio: halve, like context shift
-
     def compress(self, target: int | None = None, *, scheduled: bool = False) -> None:
         """Compress the cache now, to ``target`` cells (default: the session's budget rule).
 
         ``scheduled``: this is a step of the method's own schedule (its ``due``
-        asked for it), which may keep more than the target."""
+        asked for it), which may keep more than the target. The method is told
+        which of the three it is (``methods.base.Why``)."""
         before = self.engine.n_cells
         if before == 0:
             return
-        target = self._target(before) if target is None else target
+        why: Why = "schedule" if scheduled else "budget" if target is None else "call"
+        target = self.rule.target(before) if target is None else target
         if target >= before:
             return
         t0 = time.perf_counter()
         self._since_compress = 0
-        self.n_past += self.method.compress(self.engine, target, scheduled=scheduled)
+        self.n_past += self.method.compress(self.engine, target, why=why)
         if self.engine.n_cells >= before:
             return  # the method chose to keep everything (e.g. no complete LagKV partition)
         dt = time.perf_counter() - t0
@@ -243,8 +289,9 @@ class Session:
             )
 
     # -- decoding ------------------------------------------------------------
-    def feed(self, tokens: list[int], progress: ProgressFn | None = None) -> None:
-        """Decode tokens in chunks, compressing whenever the cache is full."""
+    def prefill(self, tokens: list[int]) -> Iterator[tuple[int, int]]:
+        """Decode tokens in chunks, compressing whenever the cache is full; yields (done,
+        total) after each chunk, the unit a server interleaves conversations by."""
         total = len(tokens)
         done = 0
         while done < total:
@@ -267,8 +314,18 @@ class Session:
             if self.method.compresses and self.scheduled and self.method.due(self._since_compress, s.cells):
                 self.compress(scheduled=True)
                 s.cells = self.engine.n_cells
+            yield done, total
+
+    def feed(self, tokens: list[int], progress: ProgressFn | None = None) -> None:
+        """Decode tokens in chunks, compressing whenever the cache is full."""
+        for done, total in self.prefill(tokens):
             if progress:
                 progress(done, total)
+
+    def fits(self, n: int) -> bool:
+        """Whether ``n`` more tokens fit: always for a compressing method, else while the
+        cache has room (a full cache's method refuses or stops instead of overflowing)."""
+        return self.method.compresses or self.engine.n_cells + n <= self.capacity
 
     def feed_text(self, text: str, *, add_special: bool | None = None, progress: ProgressFn | None = None) -> int:
         if add_special is None:
@@ -315,16 +372,42 @@ class Session:
                 return
             yield tok
 
+    def stream(self, max_tokens: int, sampler: SamplerConfig | None = None, *, stop: tuple[str, ...] = (),
+               reply: Reply | None = None, until_full: bool = False) -> Iterator[str]:
+        """Generate up to ``max_tokens`` tokens as text, one yield per token: the text that can
+        be sent now, "" while nothing can (a multi-byte character or the start of a stop
+        string is held back). Ends at end-of-generation or at a stop string (neither is sent);
+        ``until_full``: a method that never compresses ends when the cache is full instead of
+        failing. ``reply`` records why it ended, the tokens and the text sent."""
+        reply = Reply() if reply is None else reply
+        dec = codecs.getincrementaldecoder("utf-8")("replace")
+        pending = ""  # generated text that may begin a stop string
+        cut = False
+        for _ in range(max_tokens):
+            if until_full and not self.fits(1):
+                break  # "length", as OpenAI reports a context-bound reply
+            tok = self.step(sampler)
+            if tok is None:
+                reply.finish = "stop"
+                break
+            reply.tokens += 1
+            pending += dec.decode(self.model.piece(tok))
+            hit = min((i for i in (pending.find(s) for s in stop) if i >= 0), default=-1)
+            if hit >= 0:
+                pending, reply.finish, cut = pending[:hit], "stop", True
+                break
+            keep = _hold_back(pending, stop)
+            out, pending = pending[: len(pending) - keep], pending[len(pending) - keep :]
+            reply.text += out
+            yield out
+        tail = pending if cut else pending + dec.decode(b"", final=True)
+        if tail:
+            reply.text += tail
+            yield tail
+
     def generate(self, max_tokens: int, sampler: SamplerConfig | None = None) -> Iterator[str]:
         """Stream text; bytes of multi-byte characters are joined before they are yielded."""
-        dec = codecs.getincrementaldecoder("utf-8")("replace")
-        for tok in self.generate_tokens(max_tokens, sampler):
-            piece = dec.decode(self.model.piece(tok))
-            if piece:
-                yield piece
-        tail = dec.decode(b"", final=True)
-        if tail:
-            yield tail
+        return (piece for piece in self.stream(max_tokens, sampler) if piece)
 
     # -- state ---------------------------------------------------------------
     def save(self) -> tuple[CacheState, int, int]:
@@ -384,36 +467,6 @@ class Session:
         self.close()
 
 
-def check_budget(method: Method, budget: int | None, ratio: float | None, capacity: int) -> None:
-    """The one-line errors for a budget rule this session cannot keep."""
-    if budget is not None and ratio is not None:
-        raise BudgetError("give either --budget or --ratio, not both")
-    if ratio is not None and not 0.0 < ratio < 1.0:
-        raise BudgetError(f"--ratio is the fraction removed and must be in (0, 1), got {ratio}")
-    if budget is not None and budget < 1:
-        raise BudgetError(f"--budget must be a positive number of cells, got {budget}")
-    if budget is not None and budget >= capacity:
-        raise BudgetError(f"--budget {budget} must be below --n-ctx {capacity} (room to decode after compressing)")
-    if (method.compresses and not method.shifts_positions and budget is not None
-            and budget <= method.sinks + method.window):
-        raise BudgetError(
-            f"--budget {budget} leaves no room beyond the {method.sinks} sinks + "
-            f"{method.window}-token window that {method.name} always keeps"
-        )
-
-
-def _chunk_for(method: Method, budget: int | None, ratio: float | None, capacity: int, chunk: int) -> int:
-    """Prefill chunk size: a compression must leave room for the next chunk. With a
-    budget that is capacity - budget; otherwise at least the fraction a compression removes."""
-    if budget is not None:
-        return min(chunk, capacity - budget)
-    if ratio is not None:
-        return max(1, min(chunk, math.floor(capacity * ratio)))
-    if method.compresses:
-        return max(1, min(chunk, capacity // 2))
-    return min(chunk, capacity)
-
-
 class Chat:
     """Multi-turn chat on a Session, rendered with the model's GGUF chat template.
 
@@ -452,4 +505,4 @@ def common_prefix(a: str, b: str) -> int:
     return i
 
 
-__all__ = ["Chat", "Event", "SamplerConfig", "Session", "Stats"]
+__all__ = ["Chat", "Event", "Reply", "SamplerConfig", "Session", "Stats"]

@@ -9,6 +9,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from edgekv.config import ContextOptions
 from edgekv.server import App, ServerConfig, Settings
 
 
@@ -21,13 +22,13 @@ def free_port() -> int:
 def config(model, state_dir: Path, **kw) -> ServerConfig:
     """Small contexts so that conversations outgrow them within a test."""
     defaults = kw.pop("defaults", Settings("knorm", 160))
+    opts = {"n_threads": kw.pop("threads", 2), "chunk": kw.pop("chunk", 64)}
+    opts.update({k: kw.pop(k) for k in ("engine", "cache_type_k", "cache_type_v", "flash_attn") if k in kw})
     kw.setdefault("n_ctx", 256)
-    kw.setdefault("threads", 2)
     kw.setdefault("temperature", 0.0)
     kw.setdefault("max_tokens", 32)
-    kw.setdefault("chunk", 64)
     kw.setdefault("model_id", "smollm2-135m")
-    return ServerConfig(model=model, defaults=defaults, state_dir=state_dir, **kw)
+    return ServerConfig(model=model, defaults=defaults, state_dir=state_dir, options=ContextOptions(**opts), **kw)
 
 
 @contextmanager

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from edgekv.config import BudgetRule
 from edgekv.errors import BudgetError, EdgekvError
 from edgekv.kvcache.engine import KVSnapshot, check_merge, merge_groups
 from edgekv.kvcache.queries import window_attention
@@ -227,7 +228,7 @@ def test_budget_below_what_merging_can_reach_is_a_clear_error() -> None:
 def test_due_fires_an_interval_above_the_budget() -> None:
     m = get_method("chelsea", interval=32)
     assert not m.due(1, 500)  # no budget: compress when full
-    m.bind(400, None)
+    m.bind(BudgetRule(budget=400))
     assert not m.due(1, 431) and m.due(1, 432)
 
 

@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from edgekv.config import BudgetRule
 from edgekv.errors import BudgetError
 from edgekv.kvcache.engine import KVSnapshot, check_keep
 from edgekv.methods import get_method
@@ -55,7 +56,7 @@ class Sim:
     def __init__(self, m: LagKV, K, V, budget=None, ratio=None, capacity=None) -> None:
         self.m, self.K, self.V = m, K, V
         self.budget, self.ratio, self.capacity = budget, ratio, capacity
-        m.bind(budget, ratio)
+        m.bind(BudgetRule(budget=budget, ratio=ratio))
         self.tp = np.zeros((len(K), K[0].shape[1], 0), np.int64)
         self.T = self.since = self.calls = self.events = self.peak = 0
 
@@ -71,7 +72,7 @@ class Sim:
         if target >= n:
             return
         self.calls += 1
-        keep = self.m.select(snap_of(self.K, self.V, self.tp), target, scheduled=scheduled)
+        keep = self.m.select(snap_of(self.K, self.V, self.tp), target, why="schedule" if scheduled else "budget")
         self.since = 0
         if keep.shape[2] < n:
             check_keep(keep, *self.tp.shape)
@@ -157,9 +158,9 @@ def test_spec_reference_vector() -> None:
     assert keep[0, 0].tolist() == [0, 1, 2, 5, 6, 7, 10, 11, 12, 13, 14]
     assert keep[0, 1].tolist() == [0, 1, 2, 3, 6, 7, 10, 11, 12, 13, 14]
     assert keep.shape[2] == retained_cells(15, 2, 4, 2) == 11
-    m.bind(None, 0.5)  # --ratio 0.5 is r = 0.5; LagKV's own schedule asks for it
+    m.bind(BudgetRule(ratio=0.5))  # --ratio 0.5 is r = 0.5; LagKV's own schedule asks for it
     assert m.due(15, 15)
-    assert np.array_equal(m.select(snap, 7, scheduled=True), keep)  # its own step ignores the session's target
+    assert np.array_equal(m.select(snap, 7, why="schedule"), keep)  # its own step ignores the session's target
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -266,11 +267,11 @@ def test_r_one_never_schedules_a_compression() -> None:
 
 def test_ratio_sets_r_and_budget_leaves_it() -> None:
     m = LagKV(L=64, r=0.5)
-    m.bind(None, 0.875)
+    m.bind(BudgetRule(ratio=0.875))
     assert m.keep_per_partition == 8
-    m.bind(500, None)
+    m.bind(BudgetRule(budget=500))
     assert m.keep_per_partition == 32
-    m.bind(None, 0.9)
+    m.bind(BudgetRule(ratio=0.9))
     assert m.keep_per_partition == 6  # floor(0.1 * 64), robust to 1 - 0.9 = 0.0999...
 
 
@@ -374,8 +375,8 @@ def test_target_below_the_window_slides_it_and_below_protected_raises() -> None:
 def test_budget_too_small_for_the_window_is_a_clear_error() -> None:
     m = LagKV(sinks=16, L=64)
     with pytest.raises(BudgetError, match=r"--budget >= 143 or a smaller L"):
-        m.bind(142, None)
-    m.bind(143, None)
+        BudgetRule.make(m, budget=142).build()
+    assert BudgetRule.make(m, budget=143).build() is m
 
 
 def test_foreign_compaction_is_handled() -> None:

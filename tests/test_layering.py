@@ -3,6 +3,7 @@
     llama.py, ggml_types.py, capture.py   libllama, ggml's types, the eval callback
     kvcache/                              engines over a llama.cpp cache
     methods/                              what to keep, from a snapshot
+    config.py                             context options and the budget rule, built once
     session.py                            drives a method over an engine
     cli.py, bench/                        what users run
 """
@@ -42,7 +43,8 @@ FORBIDDEN = [
     ("llama.py", ("edgekv.kvcache", "edgekv.methods", "edgekv.session", "edgekv.cli", "edgekv.bench")),
     ("ggml_types.py", ("edgekv.llama", "edgekv.kvcache", "edgekv.session")),
     ("capture.py", ("edgekv.llama", "edgekv.kvcache", "edgekv.session")),
-    ("session.py", ("edgekv.cli", "edgekv.bench")),
+    ("config.py", ("edgekv.session", "edgekv.cli", "edgekv.bench", "edgekv.server", "edgekv.kvcache")),
+    ("session.py", ("edgekv.cli", "edgekv.bench", "edgekv.server")),
 ]
 
 
@@ -90,3 +92,13 @@ def test_test_modules_do_not_import_each_other() -> None:
             if isinstance(node, ast.ImportFrom | ast.Import):
                 names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
                 assert not any(n.startswith("test_") for n in names), f"{f.name} imports {names}"
+
+
+def test_the_native_engine_uses_only_public_members_of_other_objects() -> None:
+    """The native engine builds on the state engine through its public hooks: no
+    ``other._private`` access (its own ``self._x`` is its business)."""
+    tree = ast.parse((PKG / "kvcache" / "native.py").read_text())
+    bad = [(node.lineno, ast.unparse(node)) for node in ast.walk(tree)
+           if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+           and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))]
+    assert not bad, f"private members of other objects: {bad}"

@@ -12,6 +12,7 @@ import pytest
 from _attention import captured_attention, reference_attention
 from _helpers import prefill, run_cli
 
+from edgekv.config import BudgetRule
 from edgekv.errors import EdgekvError
 from edgekv.kvcache import CacheState, StateEngine, layout, native_available
 from edgekv.kvcache import engine as engine_mod
@@ -484,7 +485,7 @@ def test_lagkv_keeps_the_same_cells_on_both_engines(smollm2, toks, budget, compa
     prefill(native, (toks * 3)[:480])
     state.tokens = native.tokens
     method = get_method("lagkv", L=32, sinks=4)
-    method.bind(budget, None if budget else 0.5)
+    method.bind(BudgetRule(budget=budget, ratio=None if budget else 0.5))
     if compacted:
         rng = np.random.default_rng(3)
         native.compact(_keep(rng, smollm2.arch.n_layer, smollm2.arch.n_head_kv, native.n_cells, 400))
@@ -494,7 +495,7 @@ def test_lagkv_keeps_the_same_cells_on_both_engines(smollm2, toks, budget, compa
     assert (method._step(b, tp, T)[1] > method._frontier(tp, T)) == (not compacted)  # the step scores partitions
     assert b.lag_scores(-np.ones((smollm2.arch.n_layer, smollm2.arch.n_head_kv, 2, 1), np.int64)) is not None
     target = budget or 200
-    keep_state, keep_native = method.select(a, target), method.select(b, target)
+    keep_state, keep_native = method.select(a, target, why="budget"), method.select(b, target, why="budget")
     assert keep_native.shape[2] <= target  # budget mode leaves room for the next L tokens
     assert np.array_equal(keep_state, keep_native)
     ctx.close()

@@ -155,9 +155,9 @@ def test_a_limit_renumbers_only_once_positions_reach_it(smollm2, engine: str) ->
         seen = []  # (next position before the compression, positions moved by it, cells after it)
         orig = s.method.compress
 
-        def spy(engine_, target, *, scheduled=False):
+        def spy(engine_, target, *, why="call"):
             nxt = engine_.ctx.pos_max() + 1
-            moved = orig(engine_, target, scheduled=scheduled)
+            moved = orig(engine_, target, why=why)
             seen.append((nxt, engine_.ctx.pos_max() + 1 - nxt, engine_.n_cells))
             if nxt >= limit:  # renumbered: the cells hold exactly the positions 0..n-1
                 assert np.array_equal(np.sort(engine_.cell_positions()), np.arange(engine_.n_cells))

@@ -357,8 +357,8 @@ def test_the_load_bench_small_version(tmp_path) -> None:
 
 def test_a_method_the_engine_cannot_run_is_refused(gemma3, tmp_path) -> None:
     """Gemma 3's sliding-window cache runs on the state engine, which has no merge bias:
-    chelsea is a 400 that says so, chelsea_nobias is served, and the refusal leaves nothing.
-    As the server's default, chelsea stops it at start."""
+    chelsea is a 400 that says so, given by the request handler before any conversation is
+    made, and chelsea_nobias is served. As the server's default, chelsea stops it at start."""
     from edgekv.errors import EdgekvError
 
     with pytest.raises(EdgekvError, match="bias"):
@@ -370,10 +370,12 @@ def test_a_method_the_engine_cannot_run_is_refused(gemma3, tmp_path) -> None:
         with pytest.raises(openai.BadRequestError) as e:
             c.chat.completions.create(model="gemma3-270m", messages=msgs, max_tokens=4, extra_body={"method": "chelsea"})
         assert "bias" in str(e.value) and "state engine" in str(e.value)
-        assert _stats(base)["totals"]["conversations"] == 0
+        assert e.value.body["param"] == "method" and e.value.status_code == 400
+        assert _stats(base)["totals"]["conversations"] == 0 and app.store.created == 0
         r = c.chat.completions.create(model="gemma3-270m", messages=msgs, max_tokens=4,
                                       extra_body={"method": "chelsea_nobias"})
         assert r.model_extra["edgekv"]["engine"] == "state" and r.model_extra["edgekv"]["method"] == "chelsea_nobias"
+        assert app.store.created == 1
         _consistent(base, app)
 
 

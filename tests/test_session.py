@@ -267,3 +267,17 @@ def test_use_switches_methods_and_refuses_what_the_session_cannot_do(smollm2) ->
             s.use(NeedsBias())
         s.feed(toks[100:])  # 200 + the rest: compresses to the budget on the way
         assert s.stats.compressions >= 1 and s.engine.n_cells <= 256
+
+
+def test_stats_have_one_serialisation_that_reads_back() -> None:
+    """``--stats-json`` and the server's saved index write the same dict; it reads back whole."""
+    from edgekv.session import Event, Stats
+
+    s = Stats(capacity=300, kv_bytes_per_cell=23040, cells=120, peak_cells=300, compressions=2, tokens_seen=900,
+              tokens_evicted=780, compress_seconds=0.25, events=[Event(300, 300, 120), Event(600, 300, 120)])
+    d = s.as_dict()
+    assert d["kv_bytes"] == 120 * 23040 and d["events"] == [[300, 300, 120], [600, 300, 120]]
+    import json
+
+    back = Stats.from_dict(json.loads(json.dumps(d)))
+    assert back == s and isinstance(back.events[0], Event)

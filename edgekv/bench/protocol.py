@@ -10,7 +10,6 @@ continuation comes after, on the compressed cache: query-agnostic, as in a chat.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 
@@ -35,11 +34,6 @@ def prefill(sess, tokens: list[int], progress=None) -> Prefill:
     return Prefill(sess.save(), sess.engine.n_cells, seconds)
 
 
-def target_cells(n_cells: int, ratio: float) -> int:
-    """Cells left after removing the fraction ``ratio`` (kvpress's compression_ratio)."""
-    return max(1, math.floor(n_cells * (1.0 - ratio)))
-
-
 def compress_once(sess, pre: Prefill, method: str | Method, *, ratio: float = 0.0,
                   target: int | None = None, scheduled: bool = False) -> float:
     """Restore the prefill, use ``method`` under ``ratio``, compress once to ``target``
@@ -47,7 +41,7 @@ def compress_once(sess, pre: Prefill, method: str | Method, *, ratio: float = 0.
     sess.restore(pre.saved)
     sess.use(method, ratio=ratio if ratio > 0 else None, scheduled=scheduled)
     if target is None:
-        target = target_cells(pre.n_cells, ratio) if ratio > 0 else pre.n_cells
+        target = sess.rule.target(pre.n_cells) if ratio > 0 else pre.n_cells
     if target >= pre.n_cells:
         return 0.0
     t0 = time.perf_counter()

@@ -197,7 +197,7 @@ def run_oneshot(sess, prep: Prepared, method: str | Method, ratio: float, pre: e
     compress_s = evaluation.compress_once(sess, pre, method, ratio=ratio)
     cells = sess.engine.n_cells
     row = {"cells": cells, "kv_bytes": cells * sess.stats.kv_bytes_per_cell, "compress_s": round(compress_s, 4)}
-    target = evaluation.target_cells(pre.n_cells, ratio) if ratio > 0 and sess.method.compresses else None
+    target = sess.rule.target(pre.n_cells) if ratio > 0 and sess.method.compresses else None
     row.update(_answer(sess, prep, target))
     return row
 

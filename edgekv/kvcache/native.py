@@ -254,7 +254,7 @@ class NativeEngine:
         try:
             return self.score(q, q_pos, self.ctx.model.info.kq_scale)
         except NativeUnsupported:  # e.g. a pending context shift: the state engine serves
-            return self._portable._host_attention(q, q_pos)
+            return self._portable.host_attention(q, q_pos)
 
     def _snapshot(self) -> KVSnapshot:
         pos_cells = self.cell_positions()
@@ -322,7 +322,7 @@ class NativeEngine:
         b = keep.shape[2]
         self._check(self.lib.llama_edgekv_seq_compact(self._c, self.seq, b, self._i32(cells), self._i32(new_pos)),
                     "compact")
-        self._portable._compacted(pos, keep)
+        self._portable.compacted(pos, keep)
 
     def merge(self, src: np.ndarray, dst: np.ndarray, *, bias: bool) -> None:
         """Fold each source cell into its destination per (layer, KV head) and drop the

@@ -55,7 +55,7 @@ class StateEngine:
         self.window: QueryWindow | None = None
         self.tally: AttentionTally | None = None
         # how a decode's queries become attention over the cells (the native engine puts its device op here)
-        self.attention = self._host_attention
+        self.attention = self.host_attention
         # "merge": numpy over the blob; "queries": the context's tensor capture can record
         # the observation window
         self.capabilities = frozenset({"merge", "queries"} if ctx.capture is not None else {"merge"})
@@ -91,8 +91,9 @@ class StateEngine:
         """Positions of the sequence's cells in cell order (the columns of llama.cpp's KQ)."""
         return self._parse().sections[0].pos.copy()
 
-    def _host_attention(self, q: np.ndarray, q_pos: np.ndarray) -> np.ndarray:
-        """[rows, H, n]: window attention of ``q`` over the cells, in numpy over a snapshot."""
+    def host_attention(self, q: np.ndarray, q_pos: np.ndarray) -> np.ndarray:
+        """[rows, H, n]: window attention of ``q`` over the cells, in numpy over a snapshot
+        (also what the native engine falls back to where its score op cannot run)."""
         snap = self.snapshot()
         return np.stack([window_attention(q[r], q_pos, snap.keys(r), snap.pos, snap.kq_scale, snap.log_counts(r))
                          for r in range(snap.n_layer)])
@@ -268,9 +269,11 @@ class StateEngine:
         keep = check_keep(keep, len(sec.layers), self.n_kv_head, sec.n_cells)
         st.sections[0] = layout.gather_section(sec, order, keep, compacted_positions(pos, keep), self.n_kv_head)
         self.ctx.state_set(layout.write_seq_state(st), self.seq)
-        self._compacted(pos, keep)
+        self.compacted(pos, keep)
 
-    def _compacted(self, pos: np.ndarray, keep: np.ndarray) -> None:
+    def compacted(self, pos: np.ndarray, keep: np.ndarray) -> None:
+        """Bring the host's bookkeeping (the token map, H2O's tally) in line with a compaction
+        of the cells at positions ``pos`` to ``keep``, whichever engine moved the bytes."""
         self.tokens.compacted(pos, keep.shape[0], keep)
         if self.tally is not None:
             self.tally.compact(keep)
@@ -311,7 +314,7 @@ class StateEngine:
         self.ctx.state_set(layout.write_seq_state(st), self.seq)
         self.tokens.set(self.tokens.full(pos, n_layer), merged_counts(old, src, dst, n),
                         rot=self.tokens.full_rot(pos, n_layer))
-        self._compacted(pos, keep)
+        self.compacted(pos, keep)
 
     def save(self) -> CacheState:
         self._writable()

@@ -8,24 +8,34 @@ Two kinds of method, as in kvpress:
 - a ``Method`` that chooses indices itself overrides ``select`` (LagKV's
   partitions, llama.cpp's context shift).
 
-``compress(engine, target)`` applies a method to a cache; a method that
-changes positions instead of evicting (context shift) overrides it. A method
-with a schedule of its own says when through ``due``; the Session asks and
-passes ``scheduled=True`` to that compression. Hyperparameters are dataclass
-fields with the papers' defaults, so ``edgekv methods`` can list them and the
-CLI can set them.
+``compress(engine, target, why=...)`` applies a method to a cache; a method
+that changes positions instead of evicting (context shift) overrides it. It is
+told why it runs (``Why``): the session's budget rule (a full cache, or the
+rule's own target), the method's own schedule (it said so through ``due``), or
+a caller's explicit target. A method is given the session's budget rule once,
+by ``bind``; the rule asks it the smallest budget it can keep
+(``budget_error``). Hyperparameters are dataclass fields with the papers'
+defaults, so ``edgekv methods`` can list them and the CLI can set them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import numpy as np
 
 from ..errors import BudgetError
 from ..gguf_info import ModelInfo
 from ..kvcache.engine import KVEngine, KVSnapshot
+
+if TYPE_CHECKING:
+    from ..config import BudgetRule
+
+# Why a compression runs: "budget", the session's budget rule (a full cache, or the rule's
+# target); "schedule", the method's own schedule (``due`` asked for it); "call", a caller's
+# explicit target (``Session.compress(target)``, the benchmark protocol).
+Why = Literal["budget", "schedule", "call"]
 
 
 @dataclass
@@ -47,12 +57,27 @@ class Method:
     sinks: int = 4
     window: int = 32
 
-    def bind(self, budget: int | None, ratio: float | None) -> None:
-        """Called once by the Session with its budget rule (ratio = fraction removed).
+    def bind(self, rule: BudgetRule) -> None:
+        """Called once by the Session with its budget rule (already checked).
 
         Methods whose own hyperparameters express the budget (LagKV's per-
-        partition keep ratio) adopt it here; the default needs nothing.
+        partition keep ratio) or whose schedule follows it adopt it here; the
+        default needs nothing.
         """
+
+    def budget_error(self, budget: int) -> str | None:
+        """Why ``--budget budget`` is too small for this method (None: it is not). Asked once,
+        by the budget rule's check: every compressing method keeps its sinks and window."""
+        if self.compresses and not self.shifts_positions and budget <= self.sinks + self.window:
+            return (f"--budget {budget} leaves no room beyond the {self.sinks} sinks + "
+                    f"{self.window}-token window that {self.name} always keeps")
+        return None
+
+    def refuse_below(self, target: int, need: int) -> None:
+        """The one-line error for an explicit target below the ``need`` cells the method keeps."""
+        if target < need:
+            raise BudgetError(f"budget {target} is below the {need} cells {self.name} always keeps "
+                              f"(sinks={self.sinks}, window={self.window})")
 
     def attach(self, info: ModelInfo) -> None:
         """Called by the Session with the model it runs: a method with per-model data
@@ -62,7 +87,7 @@ class Method:
         """Incremental methods: compress now, before the cache is full?
 
         Asked by the Session after every decoded chunk or token (unless it runs
-        the method one-shot). True makes it compress with ``scheduled=True``;
+        the method one-shot). True makes it compress with ``why="schedule"``;
         ``select`` may then keep everything (no event is recorded)."""
         return False
 
@@ -85,16 +110,16 @@ class Method:
     def min_budget(self, snap: KVSnapshot) -> int:
         return int(self.protected(snap).sum(axis=2).max())
 
-    def select(self, snap: KVSnapshot, budget: int, *, scheduled: bool = False) -> np.ndarray:
+    def select(self, snap: KVSnapshot, budget: int, *, why: Why = "call") -> np.ndarray:
         """int [L, H, B]: cells to keep per (layer, KV head), ascending; B <= budget
-        unless ``scheduled`` (a step of the method's own schedule, see ``due``)."""
+        unless ``why`` is "schedule" (a step of the method's own schedule, see ``due``)."""
         raise NotImplementedError
 
-    def compress(self, engine: KVEngine, target: int, *, scheduled: bool = False) -> int:
+    def compress(self, engine: KVEngine, target: int, *, why: Why = "call") -> int:
         """One compression of the engine's cache towards ``target`` cells; returns
         how far positions moved (0: evicting methods keep every position)."""
         snap = engine.snapshot()
-        keep = self.select(snap, target, scheduled=scheduled)
+        keep = self.select(snap, target, why=why)
         if keep.shape[2] < snap.n_cells:
             engine.compact(keep)
         return 0
@@ -108,17 +133,12 @@ class ScorerMethod(Method):
         """float [H, n] for one layer; higher means keep."""
         raise NotImplementedError
 
-    def select(self, snap: KVSnapshot, budget: int, *, scheduled: bool = False) -> np.ndarray:
+    def select(self, snap: KVSnapshot, budget: int, *, why: Why = "call") -> np.ndarray:
         n = snap.n_cells
         if budget >= n:
             return np.broadcast_to(np.arange(n), (snap.n_layer, snap.n_kv_head, n)).copy()
         prot = self.protected(snap)
-        need = int(prot.sum(axis=2).max())
-        if budget < need:
-            raise BudgetError(
-                f"budget {budget} is below the {need} cells {self.name} always keeps "
-                f"(sinks={self.sinks}, window={self.window})"
-            )
+        self.refuse_below(budget, int(prot.sum(axis=2).max()))
         keep = np.empty((snap.n_layer, snap.n_kv_head, budget), dtype=np.int64)
         for layer in range(snap.n_layer):
             s = np.asarray(self.score(snap, layer), dtype=np.float64)

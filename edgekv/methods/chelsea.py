@@ -28,13 +28,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
 from ..errors import BudgetError
 from ..kvcache.engine import KVEngine, KVSnapshot
-from .base import Method
+from .base import Method, Why
+
+if TYPE_CHECKING:
+    from ..config import BudgetRule
 
 
 @dataclass
@@ -66,8 +69,8 @@ class Chelsea(Method):
             raise ValueError("interval and window must be positive, sinks not negative")
         self._budget: int | None = None
 
-    def bind(self, budget: int | None, ratio: float | None) -> None:
-        self._budget = budget
+    def bind(self, rule: BudgetRule) -> None:
+        self._budget = rule.budget
 
     def due(self, tokens_since_compress: int, n_cells: int) -> bool:
         return self._budget is not None and n_cells >= self._budget + self.interval
@@ -77,7 +80,7 @@ class Chelsea(Method):
         r = round(self.r_init - self.r_decay * min(self.r_steps, step), 9)  # 0.35 - 0.1 is 0.2499...
         return min(0.5, max(self.r_floor, r))
 
-    def compress(self, engine: KVEngine, target: int, *, scheduled: bool = False) -> int:
+    def compress(self, engine: KVEngine, target: int, *, why: Why = "call") -> int:
         step = 0
         while engine.n_cells > target:
             snap = engine.snapshot()

@@ -37,7 +37,7 @@ import numpy as np
 
 from ..errors import BudgetError
 from ..kvcache.engine import KVSnapshot
-from .base import Method
+from .base import Method, Why
 from .snapkv import check_window, snapkv_scores
 
 
@@ -65,15 +65,12 @@ class ChunkKV(Method):
     def queries_needed(self) -> int:
         return self.window
 
-    def select(self, snap: KVSnapshot, budget: int, *, scheduled: bool = False) -> np.ndarray:
+    def select(self, snap: KVSnapshot, budget: int, *, why: Why = "call") -> np.ndarray:
         n, L, H = snap.n_cells, snap.n_layer, snap.n_kv_head
         if budget >= n:
             return np.broadcast_to(np.arange(n), (L, H, n)).copy()
         prot = self.protected(snap)
-        need = int(prot.sum(axis=2).max())
-        if budget < need:
-            raise BudgetError(f"budget {budget} is below the {need} cells {self.name} always keeps "
-                              f"(sinks={self.sinks}, window={self.window})")
+        self.refuse_below(budget, int(prot.sum(axis=2).max()))
         keep = np.empty((L, H, budget), dtype=np.int64)
         for leader in range(0, L, self.reuse):
             if self.per_layer:

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..kvcache.engine import KVEngine, KVSnapshot
-from .base import Method
+from .base import Method, Why
 
 
 @dataclass
@@ -30,11 +30,11 @@ class ContextShift(Method):
     def n_discard(self, n_cells: int) -> int:
         return max(0, (n_cells - self.n_keep) // 2)
 
-    def compress(self, engine: KVEngine, target: int, *, scheduled: bool = False) -> int:
+    def compress(self, engine: KVEngine, target: int, *, why: Why = "call") -> int:
         """llama.cpp's memory API moves the survivors down: positions shift by -delta."""
         return -engine.shift(self.n_keep, self.n_discard(engine.n_cells))
 
-    def select(self, snap: KVSnapshot, budget: int, *, scheduled: bool = False) -> np.ndarray:
+    def select(self, snap: KVSnapshot, budget: int, *, why: Why = "call") -> np.ndarray:
         n = snap.n_cells
         d = self.n_discard(n)
         idx = np.concatenate([np.arange(min(self.n_keep, n)), np.arange(self.n_keep + d, n)])

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..kvcache.engine import KVSnapshot
-from .base import Method
+from .base import Method, Why
 
 
 @dataclass
@@ -18,6 +18,6 @@ class Full(Method):
     summary = "no compression (reference); the cache grows until n_ctx"
     compresses = False
 
-    def select(self, snap: KVSnapshot, budget: int, *, scheduled: bool = False) -> np.ndarray:
+    def select(self, snap: KVSnapshot, budget: int, *, why: Why = "call") -> np.ndarray:
         n = snap.n_cells
         return np.broadcast_to(np.arange(n), (snap.n_layer, snap.n_kv_head, n)).copy()

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..errors import EdgekvError
 from ..kvcache.engine import KVSnapshot
-from .base import ScorerMethod
+from .base import ScorerMethod, Why
 
 
 @dataclass
@@ -49,9 +49,9 @@ class H2O(ScorerMethod):
     def queries_needed(self) -> int:
         return 1
 
-    def select(self, snap: KVSnapshot, budget: int, *, scheduled: bool = False) -> np.ndarray:
+    def select(self, snap: KVSnapshot, budget: int, *, why: Why = "call") -> np.ndarray:
         newest = max(self.window, math.floor(budget * self.recent))
-        return ScorerMethod.select(replace(self, window=newest), snap, budget, scheduled=scheduled)
+        return ScorerMethod.select(replace(self, window=newest), snap, budget, why=why)
 
     def score(self, snap: KVSnapshot, layer: int) -> np.ndarray:
         if snap.tally is None:

@@ -41,15 +41,16 @@ Budget conventions (session.py):
   than forgetting old partitions wholesale. The shrink leaves room for the
   tokens until the next paper step (at most 2L), so compactions stay once per
   L tokens instead of once per token. N must hold the sinks and the window
-  (N >= S + 2L - 1), which ``bind`` checks.
+  (N >= S + 2L - 1), which the budget rule checks (``budget_error``).
 - a target below sinks + LagKV's window (only an explicit
   ``Session.compress(target)`` or a ratio-mode full cache can ask for one):
   once the compressed partitions are empty, the window gives up its oldest
   tokens (StreamingLLM), down to the ``window`` newest cells (a field,
   default 32); below sinks + ``window`` it is a BudgetError.
 
-How ``select`` knows a compression was its own scheduled step: the Session
-asks ``due`` and passes ``scheduled=True`` to the compression that follows.
+How ``select`` knows why it runs: the Session says so (``why``): "schedule"
+when ``due`` asked for the compression, "budget" when its budget rule did (a
+full cache), "call" for an explicit target.
 A hint of when the next successor completes is the only state, and it does
 not change which tokens are kept in budget mode; after a restore (ratio mode)
 the stale hint can make the next paper step fire early (a select that keeps
@@ -77,14 +78,17 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
+from typing import TYPE_CHECKING
 
 import numpy as np
 from numba import njit
 
-from ..errors import BudgetError
 from ..gguf_info import ModelInfo
 from ..kvcache.engine import KVSnapshot
-from .base import Method, top_k
+from .base import Method, Why, top_k
+
+if TYPE_CHECKING:
+    from ..config import BudgetRule
 
 EPS = 1e-6
 _CLASS = np.int64(1) << 50  # rank classes in the shrink key (protected > window > compressed)
@@ -370,16 +374,18 @@ class LagKV(Method):
         r = self.r if self._r is None else self._r
         return min(self.L, max(0, math.floor(r * self.L + 1e-9)))
 
-    def bind(self, budget: int | None, ratio: float | None) -> None:
-        self._budget = budget
-        self._r = None if ratio is None else 1.0 - ratio
+    def bind(self, rule: BudgetRule) -> None:
+        self._budget = rule.budget
+        self._r = None if rule.ratio is None else 1.0 - rule.ratio
         self._due_in = 0
+
+    def budget_error(self, budget: int) -> str | None:
         need = self.sinks + 2 * self.L - 1
-        if budget is not None and budget < need:
-            raise BudgetError(
+        if budget < need:
+            return super().budget_error(budget) or (
                 f"--budget {budget} cannot hold lagkv's {self.sinks} sinks + window of up to "
-                f"{2 * self.L - 1} tokens (L={self.L}): use --budget >= {need} or a smaller L (--param L=...)"
-            )
+                f"{2 * self.L - 1} tokens (L={self.L}): use --budget >= {need} or a smaller L (--param L=...)")
+        return super().budget_error(budget)
 
     def due(self, tokens_since_compress: int, n_cells: int) -> bool:
         if self._budget is not None:
@@ -457,12 +463,7 @@ class LagKV(Method):
         S, L = self.sinks, self.L
         j = np.arange(n)
         prot = (tp < S) | (j >= n - max(self.window, 1))
-        need = int(prot.sum(axis=-1).max())
-        if goal < need:
-            raise BudgetError(
-                f"budget {goal} is below the {need} cells {self.name} always keeps "
-                f"(sinks={self.sinks}, window={self.window})"
-            )
+        self.refuse_below(goal, int(prot.sum(axis=-1).max()))
         bound = S + f * L
         comp = (tp >= S) & (tp < bound)
         key = np.where(prot, 3 * _CLASS, np.where(tp >= bound, 2 * _CLASS + tp, 0))
@@ -473,7 +474,7 @@ class LagKV(Method):
         top = top_k(key.reshape(-1, n), goal).reshape(*key.shape[:2], goal)
         return np.take_along_axis(keep, top, axis=-1)
 
-    def select(self, snap: KVSnapshot, budget: int, *, scheduled: bool = False) -> np.ndarray:
+    def select(self, snap: KVSnapshot, budget: int, *, why: Why = "call") -> np.ndarray:
         n = snap.n_cells
         if budget >= n:
             return np.broadcast_to(np.arange(n), (snap.n_layer, snap.n_kv_head, n)).copy()
@@ -483,11 +484,11 @@ class LagKV(Method):
         n1 = keep.shape[2]
         # A compression LagKV scheduled itself (ratio mode) is the paper step only;
         # otherwise (budget mode, full cache, explicit target) the target holds.
-        enforce = self._budget is not None or not scheduled
+        enforce = self._budget is not None or why != "schedule"
         if enforce:
             tp1 = np.take_along_axis(tp, keep, axis=-1)
             goal = budget
-            if self._budget is not None and budget == self._budget:
+            if self._budget is not None and why != "call":
                 # Budget mode: also make room for the tokens until the next paper
                 # step, from the compressed partitions only (never the window).
                 # The cache would reach the budget before then anyway, and the

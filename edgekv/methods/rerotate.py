@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
@@ -12,7 +12,10 @@ from ..errors import EdgekvError
 from ..gguf_info import ModelInfo
 from ..kvcache.engine import KVEngine, KVSnapshot
 from ..kvcache.rope import Rope
-from .base import Method
+from .base import Method, Why
+
+if TYPE_CHECKING:
+    from ..config import BudgetRule
 
 
 @dataclass
@@ -84,8 +87,11 @@ class KeyRerotation(Method):
     def params(self) -> dict[str, object]:
         return {**self.method.params(), "rerotate": True, **({"rerotate_limit": self.limit} if self.limit else {})}
 
-    def bind(self, budget: int | None, ratio: float | None) -> None:
-        self.method.bind(budget, ratio)
+    def bind(self, rule: BudgetRule) -> None:
+        self.method.bind(rule)
+
+    def budget_error(self, budget: int) -> str | None:
+        return self.method.budget_error(budget)
 
     def attach(self, info: ModelInfo) -> None:
         if info.is_swa_model:  # the rest of what Rope.of refuses is checked at the first compression
@@ -102,13 +108,13 @@ class KeyRerotation(Method):
     def min_budget(self, snap: KVSnapshot) -> int:
         return self.method.min_budget(snap)
 
-    def select(self, snap: KVSnapshot, budget: int, *, scheduled: bool = False) -> np.ndarray:
-        return self.method.select(snap, budget, scheduled=scheduled)
+    def select(self, snap: KVSnapshot, budget: int, *, why: Why = "call") -> np.ndarray:
+        return self.method.select(snap, budget, why=why)
 
-    def compress(self, engine: KVEngine, target: int, *, scheduled: bool = False) -> int:
+    def compress(self, engine: KVEngine, target: int, *, why: Why = "call") -> int:
         Rope.of(engine.ctx.model)  # a model it cannot re-rotate is refused before anything is evicted
         before = engine.n_cells
-        moved = self.method.compress(engine, target, scheduled=scheduled)
+        moved = self.method.compress(engine, target, why=why)
         if engine.n_cells >= before or engine.ctx.pos_max() + 1 < self.limit:
             return moved
         return moved + engine.renumber()

@@ -195,11 +195,13 @@ class App:
         budget = _number(body, "budget", 1, 1 << 31, integer=True)
         ratio = _number(body, "ratio", 0, 1)
         params = _typed(body, "method_params", dict, "an object of method parameters")
-        settings = None
+        settings = rule = built = None
         if method is not None or budget is not None or ratio is not None or params:
             try:
                 settings = cfg.settings(method, budget, ratio, params)
-                settings.check(cfg.n_ctx)
+                rule = settings.rule(cfg.n_ctx)
+                built = rule.build()
+                self.store.check_method(built)  # a method this engine lacks: 400, no conversation made
             except EdgekvError as e:
                 msg = str(e)
                 param = ("method_params" if params and any(k in msg for k in params)
@@ -207,7 +209,8 @@ class App:
                          else "ratio" if ratio is not None and "ratio" in msg else "method")
                 raise RequestError(str(e).replace("--budget", "budget").replace("--ratio", "ratio"),
                                    param=param, code="invalid_value") from None
-        turn = Turn(kind=kind, settings=settings, max_tokens=max_tokens, sampler=sampler, stop=tuple(stop or ()))
+        turn = Turn(kind=kind, settings=settings, rule=rule, method=built, max_tokens=max_tokens, sampler=sampler,
+                    stop=tuple(stop or ()))
         if kind == "chat":
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not msgs:

@@ -16,7 +16,6 @@ the store; ``lock`` guards what the stats endpoint reads.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import threading
 import time
@@ -25,10 +24,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..config import BudgetRule, ContextOptions
 from ..errors import EdgekvError
 from ..llama import Model
-from ..methods import METHODS, Method, get_method
-from ..session import Event, Session, Stats, check_budget
+from ..methods import METHODS, Method
+from ..session import Session, Stats
 
 INDEX = "conversations.json"  # with persist: what each saved conversation is, for the next server
 INDEX_VERSION = 1
@@ -43,12 +43,10 @@ class Settings:
     ratio: float | None = None
     params: tuple[tuple[str, object], ...] = ()
 
-    def make_method(self) -> Method:
-        return get_method(self.method, **dict(self.params))
-
-    def check(self, capacity: int) -> None:
-        """The one-line errors for settings no conversation could run with."""
-        check_budget(self.make_method(), self.budget, self.ratio, capacity)
+    def rule(self, capacity: int) -> BudgetRule:
+        """These settings as a budget rule in contexts of ``capacity`` cells (``build`` checks
+        it: the one-line errors for settings no conversation could run with)."""
+        return BudgetRule(self.method, self.budget, self.ratio, self.params, capacity)
 
 
 @dataclass
@@ -60,12 +58,7 @@ class ServerConfig:
     n_ctx: int
     defaults: Settings
     state_dir: Path
-    cache_type_k: str = "f16"
-    cache_type_v: str = "f16"
-    flash_attn: str = "auto"
-    threads: int | None = None
-    engine: str = "auto"
-    chunk: int = 256
+    options: ContextOptions = field(default_factory=ContextOptions)
     max_live: int = 4
     max_conversations: int = 256
     max_prompt_tokens: int = 16384
@@ -95,6 +88,8 @@ class Conversation:
     id: str
     kind: str  # "chat" or "completion"
     settings: Settings
+    rule: BudgetRule  # the settings, checked, in the server's contexts
+    method: Method  # built once per conversation per server run, from the rule
     messages: list[dict[str, str]] = field(default_factory=list)  # chat: as fed, the replies included
     text: str = ""  # what the cache was fed, as the client sees it (its replies as sent)
     reply_len: int = 0  # characters of the last reply, the part of ``text`` a client may trim
@@ -131,8 +126,11 @@ class Store:
         self.convs: OrderedDict[str, Conversation] = OrderedDict()  # oldest use first
         self.lock = threading.Lock()
         self._spare: list[Session] = []  # contexts no conversation holds, kept for the next one
+        self._first: Session | None = None  # the first context made: what every context's engine can run
+        self.default_rule = cfg.defaults.rule(cfg.n_ctx)
         self.saves = 0
         self.resumes = 0
+        self.created = 0  # conversations made by this server (a refused request makes none)
         cfg.state_dir.mkdir(parents=True, exist_ok=True)
         if cfg.persist:
             self._load_index()
@@ -163,11 +161,18 @@ class Store:
         return best
 
     # -- lifecycle ---------------------------------------------------------------
-    def new(self, kind: str, settings: Settings) -> Conversation:
-        """A new conversation, busy (claimed by the turn that makes it)."""
-        conv = Conversation(id="conv-" + uuid.uuid4().hex[:16], kind=kind, settings=settings, busy=True)
+    def new(self, kind: str, settings: Settings | None = None, rule: BudgetRule | None = None,
+            method: Method | None = None) -> Conversation:
+        """A new conversation, busy (claimed by the turn that makes it): the request's checked
+        settings, rule and method (built by the request handler), or the server's defaults."""
+        if settings is None:
+            settings, rule = self.cfg.defaults, self.default_rule
+        assert rule is not None
+        conv = Conversation(id="conv-" + uuid.uuid4().hex[:16], kind=kind, settings=settings, rule=rule,
+                            method=rule.build() if method is None else method, busy=True)
         with self.lock:
             self.convs[conv.id] = conv
+            self.created += 1
         self._forget_oldest()
         return conv
 
@@ -195,9 +200,8 @@ class Store:
                     return False
                 self.save(idle[0])  # the least recently used
         sess = self._spare[-1]
-        s = conv.settings
         sess.reset()
-        sess.use(s.make_method(), budget=s.budget, ratio=s.ratio)  # one-line errors, and the spare stays spare
+        sess.apply(conv.rule, conv.method)  # one-line errors, and the spare stays spare
         if conv.file is not None:
             sess.load_file(conv.file)
             if conv.stats is not None:
@@ -215,16 +219,23 @@ class Store:
         model's engine cannot run fails at start, with one line, not on every request."""
         if not self._spare:
             self._spare.append(self._new_session())
-        d = self.cfg.defaults
-        self._spare[-1].use(d.make_method(), budget=d.budget, ratio=d.ratio)
+        self._spare[-1].apply(self.default_rule)
+
+    def check_method(self, method: Method) -> None:
+        """The one-line error for a method the server's engine cannot run (every context has
+        the same shape, so the first one answers for all), before any conversation exists."""
+        if self._first is None:  # warm() makes it when the server starts
+            raise EdgekvError("the server has no context yet")
+        self._first.check_method(method)
 
     def _new_session(self) -> Session:
         """A context for any conversation: made with no method, so its batch is the server's
-        whole chunk; ``use`` gives it each conversation's method in turn."""
+        whole chunk; ``apply`` gives it each conversation's rule and method in turn."""
         cfg = self.cfg
-        return Session(cfg.model, method="full", n_ctx=cfg.n_ctx, chunk=cfg.chunk, cache_type_k=cfg.cache_type_k,
-                       cache_type_v=cfg.cache_type_v, flash_attn=cfg.flash_attn, n_threads=cfg.threads,
-                       engine=cfg.engine)
+        sess = Session(cfg.model, options=cfg.options, rule=BudgetRule("full", capacity=cfg.n_ctx))
+        if self._first is None:
+            self._first = sess
+        return sess
 
     def save(self, conv: Conversation) -> None:
         """Write a live conversation to its session file; its context becomes a spare."""
@@ -277,7 +288,7 @@ class Store:
         """What saved conversations must share with the server that resumes them."""
         c = self.cfg
         return {"model": c.model.path.name, "model_size": c.model.path.stat().st_size, "n_ctx": c.n_ctx,
-                "cache_type_k": c.cache_type_k, "cache_type_v": c.cache_type_v}
+                "cache_type_k": c.options.cache_type_k, "cache_type_v": c.options.cache_type_v}
 
     def _write_index(self) -> None:
         saved = [c for c in self.convs.values() if c.file is not None and c.file.is_file()]
@@ -286,7 +297,7 @@ class Store:
             "reply_len": c.reply_len, "requests": c.requests, "last_used": c.last_used,
             "settings": {"method": c.settings.method, "budget": c.settings.budget, "ratio": c.settings.ratio,
                          "params": dict(c.settings.params)},
-            "stats": dataclasses.asdict(c.stats) if c.stats is not None else None,
+            "stats": c.stats.as_dict() if c.stats is not None else None,
         } for c in saved]}
         tmp = self.cfg.state_dir / (INDEX + ".part")
         tmp.write_text(json.dumps(index))
@@ -313,11 +324,13 @@ class Store:
         try:
             for e in index["conversations"]:
                 st = e["stats"]
-                stats = Stats(**{**st, "events": [Event(*x) for x in st["events"]]}) if st else None
+                stats = Stats.from_dict(st) if st else None
                 s = e["settings"]
+                settings = Settings(s["method"], s["budget"], s["ratio"], tuple(sorted(s["params"].items())))
+                rule = settings.rule(self.cfg.n_ctx)
                 conv = Conversation(
                     id=e["id"], kind=e["kind"], file=self.cfg.state_dir / Path(e["file"]).name,
-                    settings=Settings(s["method"], s["budget"], s["ratio"], tuple(sorted(s["params"].items()))),
+                    settings=settings, rule=rule, method=rule.build(),
                     messages=list(e["messages"]), text=e["text"], reply_len=int(e["reply_len"]),
                     requests=int(e["requests"]), last_used=float(e["last_used"]), stats=stats)
                 if conv.file.is_file():

@@ -8,16 +8,17 @@ same time instead of one after another.
 
 from __future__ import annotations
 
-import codecs
 import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from ..config import BudgetRule
 from ..errors import EdgekvError
 from ..llama import SamplerConfig
-from ..session import common_prefix
+from ..methods import Method
+from ..session import Reply, Session, common_prefix
 from .conversations import Conversation, Settings, Store
 
 log = logging.getLogger("edgekv.server")
@@ -45,22 +46,13 @@ class Turn:
 
     kind: str  # "chat" or "completion"
     settings: Settings | None  # None: the request chose nothing (continue any, new ones take the defaults)
+    rule: BudgetRule | None  # the settings, checked (None with them)
+    method: Method | None  # built and checked against the engine by the request handler (None with them)
     max_tokens: int
     sampler: SamplerConfig
     messages: list[dict[str, str]] = field(default_factory=list)
     prompt: str = ""
     stop: tuple[str, ...] = ()
-
-
-def _hold_back(text: str, stops: tuple[str, ...]) -> int:
-    """How many trailing characters of ``text`` could begin a stop string (not sent yet)."""
-    n = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), n, -1):
-            if text.endswith(s[:k]):
-                n = k
-                break
-    return n
 
 
 def _claim(store: Store, turn: Turn, rendered: str) -> tuple[Conversation, int]:
@@ -78,14 +70,15 @@ def _claim(store: Store, turn: Turn, rendered: str) -> tuple[Conversation, int]:
         if start >= len(conv.text) - conv.reply_len:
             conv.busy = True
             return conv, start
-    return store.new(turn.kind, turn.settings or store.cfg.defaults), 0
+    return store.new(turn.kind, turn.settings, turn.rule, turn.method), 0
 
 
 def run_turn(store: Store, turn: Turn) -> Iterator[TurnEvent]:
-    """Find or start the conversation, feed what is new, generate; the conversation is dropped
-    if the turn fails or is abandoned once its cache was touched (its text would be wrong)."""
-    cfg = store.cfg
-    model = cfg.model
+    """Claim a conversation, feed what is new, stream the reply, account for it: on the
+    session's own steps (``prefill``, ``stream``), one yield per chunk or token. The
+    conversation is dropped if the turn fails or is abandoned once its cache was touched
+    (its text would be wrong)."""
+    model = store.cfg.model
     rendered = model.apply_chat_template(turn.messages, add_assistant=True) if turn.kind == "chat" else turn.prompt
     conv, start = _claim(store, turn, rendered)
     continued = start > 0
@@ -101,96 +94,80 @@ def run_turn(store: Store, turn: Turn) -> Iterator[TurnEvent]:
                 # its session file no longer loads: start the conversation over from the messages
                 log.warning("conversation %s could not be resumed (%s); starting it over", conv.id, e)
                 store.drop(conv)
-                conv, start, continued = store.new(turn.kind, turn.settings or cfg.defaults), 0, False
+                conv, start, continued = store.new(turn.kind, turn.settings, turn.rule, turn.method), 0, False
                 continue
             yield None  # every live context is busy: wait for a turn to end
         store.touch(conv)
         sess = conv.session
         assert sess is not None
         tokens = model.tokenize(rendered[start:], add_special=not continued, parse_special=True)
-        cached = sess.stats.tokens_seen
-        if not tokens:
-            raise RequestError("the request adds nothing to the conversation", param="messages")
-        if len(tokens) > cfg.max_prompt_tokens:
-            raise RequestError(
-                f"the request adds {len(tokens)} prompt tokens; this server prefills at most "
-                f"{cfg.max_prompt_tokens} per request (--max-prompt-tokens)", code="prompt_too_long", param="messages")
-        if not sess.method.compresses and sess.engine.n_cells + len(tokens) + 1 > cfg.n_ctx:
-            raise RequestError(
-                f"method {sess.method.name!r} keeps every token: {sess.engine.n_cells} cached + {len(tokens)} new "
-                f"do not fit in --n-ctx {cfg.n_ctx} with room to answer; choose a compressing method",
-                code="context_length_exceeded", param="messages")
+        _check_prompt(store, sess, tokens)
         sess.reset_sampler()  # each request samples from its own seed
-        stats = sess.stats
-        compressions0, removed0 = stats.compressions, stats.tokens_evicted
+        before = (sess.stats.tokens_seen, sess.stats.compressions, sess.stats.tokens_evicted)
         yield ("ready", {"conversation": conv.id, "continued": continued})
         touched = True
         conv.prefill = (0, len(tokens))
-        for i in range(0, len(tokens), sess.chunk):
-            sess.feed(tokens[i : i + sess.chunk])
-            conv.prefill = (min(i + sess.chunk, len(tokens)), len(tokens))
+        for progress in sess.prefill(tokens):
+            conv.prefill = progress
             yield None
         conv.prefill = None
         # compared with the client's next request: its view, not the cache's (which may hold a
         # little more of the last reply, after a stop string or a trim)
         conv.text = rendered
-        dec = codecs.getincrementaldecoder("utf-8")("replace")
-        sent: list[str] = []
-        pending = ""  # generated text that may begin a stop string
-        finish = "length"
-        cut = False
-        n_out = 0
-        for _ in range(turn.max_tokens):
-            if not sess.method.compresses and sess.engine.n_cells + 1 > cfg.n_ctx:
-                break  # the full cache is full: "length", as OpenAI reports a context-bound reply
-            tok = sess.step(turn.sampler)
-            if tok is None:
-                finish = "stop"
-                break
-            n_out += 1
-            piece = dec.decode(model.piece(tok))
-            pending += piece
-            hit = min((i for i in (pending.find(s) for s in turn.stop) if i >= 0), default=-1)
-            if hit >= 0:
-                pending, finish, cut = pending[:hit], "stop", True
-                break
-            keep = _hold_back(pending, turn.stop)
-            out, pending = pending[: len(pending) - keep], pending[len(pending) - keep :]
-            if out:
-                sent.append(out)
-                yield ("delta", out)
-            else:
-                yield None
-        tail = pending if cut else pending + dec.decode(b"", final=True)
-        if tail:
-            sent.append(tail)
-            yield ("delta", tail)
-        reply = "".join(sent)
-        conv.text += reply
-        conv.reply_len = len(reply)
-        if turn.kind == "chat":
-            conv.messages = [*turn.messages, {"role": "assistant", "content": reply}]
-        conv.requests += 1
-        store.touch(conv)
-        removed = stats.tokens_evicted - removed0
-        info = store.describe(conv)
-        info.update(conversation=conv.id, continued=continued,
-                    compressions_this_request=stats.compressions - compressions0,
-                    evicted=0 if conv.merges else removed, merged=removed if conv.merges else 0)
-        for key in ("id", "kind", "state", "live", "events", "prefill", "last_used"):
-            info.pop(key, None)
+        reply = Reply()
+        for piece in sess.stream(turn.max_tokens, turn.sampler, stop=turn.stop, reply=reply, until_full=True):
+            yield ("delta", piece) if piece else None
+        done = _account(store, conv, turn, reply, before, len(tokens), continued)
         finished = True  # the conversation is whole again: free for the next request before the reply is out
         conv.busy = False
-        yield ("done", {"finish_reason": finish, "content": reply, "edgekv": info,
-                        "usage": {"prompt_tokens": cached + len(tokens), "completion_tokens": n_out,
-                                  "total_tokens": cached + len(tokens) + n_out,
-                                  "prompt_tokens_details": {"cached_tokens": cached}}})
+        yield ("done", done)
     finally:
         if not finished:
             conv.busy = False
             conv.prefill = None
             if touched or not continued:
                 store.drop(conv)
+
+
+def _check_prompt(store: Store, sess: Session, tokens: list[int]) -> None:
+    """The request's new tokens must be some, within the per-request prefill limit, and fit
+    (with room to answer) unless the method compresses."""
+    cfg = store.cfg
+    if not tokens:
+        raise RequestError("the request adds nothing to the conversation", param="messages")
+    if len(tokens) > cfg.max_prompt_tokens:
+        raise RequestError(
+            f"the request adds {len(tokens)} prompt tokens; this server prefills at most "
+            f"{cfg.max_prompt_tokens} per request (--max-prompt-tokens)", code="prompt_too_long", param="messages")
+    if not sess.fits(len(tokens) + 1):
+        raise RequestError(
+            f"method {sess.method.name!r} keeps every token: {sess.engine.n_cells} cached + {len(tokens)} new "
+            f"do not fit in --n-ctx {cfg.n_ctx} with room to answer; choose a compressing method",
+            code="context_length_exceeded", param="messages")
+
+
+def _account(store: Store, conv: Conversation, turn: Turn, reply: Reply, before: tuple[int, int, int],
+             n_prompt: int, continued: bool) -> dict[str, object]:
+    """Record the reply in the conversation and say what the turn did: the "done" payload."""
+    conv.text += reply.text
+    conv.reply_len = len(reply.text)
+    if turn.kind == "chat":
+        conv.messages = [*turn.messages, {"role": "assistant", "content": reply.text}]
+    conv.requests += 1
+    store.touch(conv)
+    cached, compressions0, removed0 = before
+    assert conv.session is not None
+    stats = conv.session.stats
+    removed = stats.tokens_evicted - removed0
+    info = store.describe(conv)
+    info.update(conversation=conv.id, continued=continued, compressions_this_request=stats.compressions - compressions0,
+                evicted=0 if conv.merges else removed, merged=removed if conv.merges else 0)
+    for key in ("id", "kind", "state", "live", "events", "prefill", "last_used"):
+        info.pop(key, None)
+    return {"finish_reason": reply.finish, "content": reply.text, "edgekv": info,
+            "usage": {"prompt_tokens": cached + n_prompt, "completion_tokens": reply.tokens,
+                      "total_tokens": cached + n_prompt + reply.tokens,
+                      "prompt_tokens_details": {"cached_tokens": cached}}}
 
 
 class Job:
