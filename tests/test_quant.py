@@ -1,16 +1,16 @@
-"""edgekv.kvcache.quant against the real ggml (libggml-base from llama-cpp-python).
+"""edgekv.kvcache.quant, which calls ggml's own codecs (libggml-base from llama-cpp-python),
+against those codecs entered another way: row by row through the type traits
+(``from_float_ref``, ``to_float``) where edgekv converts whole arrays at once.
 
 Every comparison is byte-for-byte (quantize) or bit-for-bit (dequantize, with
-NaN positions only required to coincide), so any drift in rounding, tie
-handling, scale search or block layout fails here.
+NaN positions only required to coincide), so a wrong row size, offset, leading
+dimension or type reaching C fails here; so do the properties compaction and
+merging rely on (a kept row re-quantises to itself).
 """
 
 from __future__ import annotations
 
 import ctypes
-import importlib.util
-import os
-import pathlib
 
 import numpy as np
 import pytest
@@ -24,22 +24,11 @@ pytestmark = pytest.mark.kernels  # ggml's own quantisers, compiled for this CPU
 ALL_TYPES = sorted(GGML_TYPES)
 QUANT_TYPES = [t for t in ALL_TYPES if GGML_TYPES[t].block_size == 32]
 N = 256  # elements per row in the random tests (8 blocks)
+# ggml's non-linear 4-bit codebook (kvalues_iq4nl in ggml-common.h): blocks aimed at its ties
+KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 
 
 # --------------------------------------------------------------------------- the real library
-
-
-class _Traits(ctypes.Structure):
-    # struct ggml_type_traits in ggml/include/ggml.h (field order checked against the header)
-    _fields_ = [
-        ("type_name", ctypes.c_char_p),
-        ("blck_size", ctypes.c_int64),
-        ("blck_size_interleave", ctypes.c_int64),
-        ("type_size", ctypes.c_size_t),
-        ("is_quantized", ctypes.c_bool),
-        ("to_float", ctypes.c_void_p),
-        ("from_float_ref", ctypes.c_void_p),
-    ]
 
 
 _TO_FLOAT = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
@@ -50,14 +39,7 @@ class Ggml:
     """Thin ctypes wrapper over the few libggml-base entry points the tests need."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self.lib = lib
-        lib.ggml_quantize_chunk.restype = ctypes.c_size_t
-        lib.ggml_quantize_chunk.argtypes = [
-            ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-        ]  # fmt: skip
-        lib.ggml_get_type_traits.restype = ctypes.POINTER(_Traits)
-        lib.ggml_get_type_traits.argtypes = [ctypes.c_int]
+        self.lib = lib  # edgekv's binding (argument types set), the same library libllama loads
         lib.ggml_row_size.restype = ctypes.c_size_t
         lib.ggml_row_size.argtypes = [ctypes.c_int, ctypes.c_int64]
         lib.ggml_type_size.restype = ctypes.c_size_t
@@ -67,7 +49,7 @@ class Ggml:
         lib.ggml_quantize_requires_imatrix.restype = ctypes.c_bool
         lib.ggml_quantize_requires_imatrix.argtypes = [ctypes.c_int]
 
-    def traits(self, t: int) -> _Traits:
+    def traits(self, t: int) -> quant.TypeTraits:
         return self.lib.ggml_get_type_traits(t).contents
 
     def quantize_chunk(self, x: np.ndarray, t: int) -> np.ndarray:
@@ -99,19 +81,9 @@ class Ggml:
         return out
 
 
-def _lib_dir() -> pathlib.Path:
-    """llama-cpp-python's library folder (a dependency of edgekv), or EDGEKV_GGML_LIB_DIR."""
-    env = os.environ.get("EDGEKV_GGML_LIB_DIR")
-    if env:
-        return pathlib.Path(env)
-    spec = importlib.util.find_spec("llama_cpp")
-    assert spec is not None and spec.origin is not None, "llama-cpp-python is a dependency of edgekv"
-    return pathlib.Path(spec.origin).parent / "lib"
-
-
 @pytest.fixture(scope="module")
 def ggml() -> Ggml:
-    return Ggml(ctypes.CDLL(str(_lib_dir() / "libggml-base.so")))
+    return Ggml(quant.ggml_base())
 
 
 # --------------------------------------------------------------------------- data
@@ -158,7 +130,7 @@ def _special_blocks(rng: np.random.Generator) -> np.ndarray:
     # values exactly half-way between fp16 neighbours (scale/min rounding ties)
     b.append(np.concatenate([[1.0 + 2.0**-11, -(1.0 + 3 * 2.0**-11)], rng.standard_normal(30)]))
     # iq4_nl: points half-way between codebook entries once scaled by 1/d = 127/max
-    mids = (quant.KVALUES_IQ4NL[:-1].astype(np.float32) + quant.KVALUES_IQ4NL[1:]) / 2
+    mids = (KVALUES_IQ4NL[:-1].astype(np.float32) + KVALUES_IQ4NL[1:]) / 2
     b.append(np.concatenate([[-127.0], mids, mids, [0.5]]).astype(np.float32))
     b.append(np.concatenate([[113.0], -mids, rng.standard_normal(16) * 40]).astype(np.float32))
     # magnitudes near the ends of float32/fp16 ranges
@@ -256,7 +228,7 @@ def test_quantize_matches_ggml_quantize_chunk(ggml: Ggml, t: int, seed: int) -> 
 @pytest.mark.parametrize("t", [t for t in ALL_TYPES if t != quant.GGML_TYPE_IQ4_NL])
 def test_quantize_matches_from_float_ref(ggml: Ggml, t: int) -> None:
     # iq4_nl is excluded on purpose: its from_float_ref skips the scale search
-    # that ggml_quantize_chunk performs (see quant._quant_iq4_nl).
+    # that ggml_quantize_chunk (quantize_iq4_nl) performs.
     x = _random_rows(7)
     _assert_same_bytes(quantize(x, t), ggml.from_float_ref(x, t), t)
 
@@ -360,56 +332,3 @@ def test_float_formats_round_trip(t: int) -> None:
     np.testing.assert_array_equal(quantize(y, t), quantize(x, t))
     if t == 0:
         np.testing.assert_array_equal(y, x)
-
-
-# --------------------------------------------------------------------------- internals
-
-
-def _best_index_int8_port(x: np.ndarray) -> np.ndarray:
-    """Literal vectorised port of ggml's ``best_index_int8`` (binary search + float32 tie rule)."""
-    vals = quant.KVALUES_IQ4NL.astype(np.float32)
-    ml = np.zeros(x.shape, np.intp)
-    mu = np.full(x.shape, 15, np.intp)
-    for _ in range(8):
-        active = mu - ml > 1
-        mav = (ml + mu) // 2
-        below = x < vals[mav]
-        mu = np.where(active & below, mav, mu)
-        ml = np.where(active & ~below, mav, ml)
-    with np.errstate(invalid="ignore"):
-        idx = np.where(x - vals[mu - 1] < vals[mu] - x, mu - 1, mu)
-    idx = np.where(x <= vals[0], 0, idx)
-    return np.where(x >= vals[15], 15, idx)
-
-
-def test_iq4_nl_best_index_table_matches_the_c_search() -> None:
-    rng = np.random.default_rng(12)
-    kv = quant.KVALUES_IQ4NL.astype(np.float32)
-    centres = np.concatenate([kv, (kv[:-1] + kv[1:]) / 2, [0.0, 4.0, 8.0, 16.0, 32.0, 64.0]])
-    steps = np.arange(-300, 301)
-    near = [
-        (np.float32(c).view(np.uint32).astype(np.int64) + steps).astype(np.uint32).view(np.float32)
-        for c in centres
-        if c != 0
-    ]
-    x = np.concatenate(
-        near
-        + [
-            rng.uniform(-140, 140, 100_000).astype(np.float32),
-            rng.integers(0, 2**32, 100_000, dtype=np.uint64).astype(np.uint32).view(np.float32),
-            np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, -1e-45, 3e38], np.float32),
-        ]
-    ).astype(np.float32)
-    with np.errstate(over="ignore", invalid="ignore"):
-        ours = quant._IDX_LUT[quant._best_index(x * np.float32(2))]
-    np.testing.assert_array_equal(ours, _best_index_int8_port(x))
-
-
-@pytest.mark.parametrize("t", QUANT_TYPES)
-def test_chunking_is_invisible(monkeypatch: pytest.MonkeyPatch, t: int) -> None:
-    x = _random_rows(13)
-    q = quantize(x, t)
-    y = dequantize(q, t, N)
-    monkeypatch.setattr(quant, "_CHUNK_BLOCKS", 7)
-    np.testing.assert_array_equal(quantize(x, t), q)
-    np.testing.assert_array_equal(dequantize(q, t, N), y)
