@@ -151,8 +151,9 @@ class SessionArgs:
         return ContextOptions(self.cache_type_k, self.cache_type_v, self.flash_attn, self.threads, self.engine)
 
     def rule(self, n_ctx_train: int | None, *, interactive: bool) -> BudgetRule:
-        """Defaults applied and the rule checked, once: ``interactive`` (chat, serve) gives a
-        compressing method named without a budget, ratio or --n-ctx 1024 cells."""
+        """The rule with its defaults applied once (the session checks it when it builds the
+        method): ``interactive`` (chat, serve) gives a compressing method named without a
+        budget, ratio or --n-ctx 1024 cells."""
         return BudgetRule.make(self.method, budget=self.budget, ratio=self.ratio, params=_parse_params(self.param),
                                n_ctx=self.n_ctx, chunk=DEFAULT_CHUNK, n_ctx_train=n_ctx_train,
                                interactive=interactive)

@@ -210,11 +210,19 @@ class Session:
         method.bind(rule)
         self.rule = rule
         self.method = method
-        self.budget = rule.budget
-        self.ratio = rule.ratio
         self.scheduled = scheduled
         self.chunk = min(rule.chunk(method, self.options.chunk), self.ctx.n_batch)
         self._since_compress = 0
+
+    @property
+    def budget(self) -> int | None:
+        """Cells each compression keeps (the rule's), or None."""
+        return self.rule.budget
+
+    @property
+    def ratio(self) -> float | None:
+        """The fraction each compression removes (the rule's), or None."""
+        return self.rule.ratio
 
     def check_method(self, method: Method) -> None:
         """The one-line error for a method this session's engine cannot run."""

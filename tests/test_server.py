@@ -447,3 +447,12 @@ def test_conversations_outlive_a_restart_with_a_state_dir(smollm2, tmp_path) -> 
     with pytest.raises(EdgekvError, match="n_ctx 160"):
         server(kept, n_ctx=192, persist=True)
     assert (kept / "conversations.json").read_bytes() == before
+    # a saved conversation whose settings this edgekv cannot run (a method since removed) is
+    # not resumed: the server starts, its file goes, and the same messages start over
+    index = json.loads(before)
+    index["conversations"][0]["settings"]["method"] = "retired_method"
+    (kept / "conversations.json").write_text(json.dumps(index))
+    with running(server(kept, persist=True)) as base:
+        assert _stats(base)["totals"]["conversations"] == 0 and not list(kept.glob("conv-*.ekv"))
+        text, ek = ask(base, [*first, {"role": "assistant", "content": a1}, {"role": "user", "content": later}])
+        assert not ek["continued"] and text

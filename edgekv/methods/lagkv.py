@@ -380,12 +380,11 @@ class LagKV(Method):
         self._due_in = 0
 
     def budget_error(self, budget: int) -> str | None:
-        need = self.sinks + 2 * self.L - 1
-        if budget < need:
-            return super().budget_error(budget) or (
-                f"--budget {budget} cannot hold lagkv's {self.sinks} sinks + window of up to "
-                f"{2 * self.L - 1} tokens (L={self.L}): use --budget >= {need} or a smaller L (--param L=...)")
-        return super().budget_error(budget)
+        need = self.sinks + 2 * self.L - 1  # the sinks and a window of L..2L-1 tokens
+        return super().budget_error(budget) or (
+            f"--budget {budget} cannot hold lagkv's {self.sinks} sinks + window of up to "
+            f"{2 * self.L - 1} tokens (L={self.L}): use --budget >= {need} or a smaller L (--param L=...)"
+            if budget < need else None)
 
     def due(self, tokens_since_compress: int, n_cells: int) -> bool:
         if self._budget is not None:

@@ -17,6 +17,7 @@ the store; ``lock`` guards what the stats endpoint reads.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 import uuid
@@ -29,6 +30,8 @@ from ..errors import EdgekvError
 from ..llama import Model
 from ..methods import METHODS, Method
 from ..session import Session, Stats
+
+log = logging.getLogger("edgekv.server")
 
 INDEX = "conversations.json"  # with persist: what each saved conversation is, for the next server
 INDEX_VERSION = 1
@@ -328,9 +331,14 @@ class Store:
                 s = e["settings"]
                 settings = Settings(s["method"], s["budget"], s["ratio"], tuple(sorted(s["params"].items())))
                 rule = settings.rule(self.cfg.n_ctx)
+                try:
+                    method = rule.build()
+                except EdgekvError as err:  # settings this edgekv no longer runs: its file goes below,
+                    log.warning("conversation %s is not resumed: %s", e["id"], err)  # a request starts over
+                    continue
                 conv = Conversation(
                     id=e["id"], kind=e["kind"], file=self.cfg.state_dir / Path(e["file"]).name,
-                    settings=settings, rule=rule, method=rule.build(),
+                    settings=settings, rule=rule, method=method,
                     messages=list(e["messages"]), text=e["text"], reply_len=int(e["reply_len"]),
                     requests=int(e["requests"]), last_used=float(e["last_used"]), stats=stats)
                 if conv.file.is_file():
