@@ -24,7 +24,7 @@ Two parts, for every method both have (knorm, streaming_llm, snapkv, chunkkv, la
 Needs the optional dependencies: `.venv/bin/pip install torch==2.13.0` (the CPU
 build), then `.venv/bin/pip install -e .[compare]`.
 
-    .venv/bin/python bench/kvpress_compare.py --n 10 --ratios 0.5,0.75
+    .venv/bin/edgekv bench run kvpress_compare --n 10 --ratios 0.5,0.75
 writes bench/results/kvpress_compare/{results.jsonl, overlap.json, report.md}; it resumes.
 """
 
@@ -201,8 +201,8 @@ def overlap(args, model_path: Path, out: Path, log) -> dict:
     from edgekv.bench import tasks
     from edgekv.bench.runner import Grid, prepare
     from edgekv.config import BudgetRule
-    from edgekv.kvcache.engine import KVSnapshot
     from edgekv.kvcache.queries import QueryWindow
+    from edgekv.kvcache.snapshot import KVSnapshot
     from edgekv.llama import Model
     from edgekv.methods import get_method
 

@@ -16,7 +16,7 @@ as a relative RMS error per cache type, next to the error the cache type
 makes on the model's own rows (the f16 cache's rows, quantised by the numpy
 codecs, in llama.cpp's Hadamard-rotated space).
 
-    .venv/bin/python bench/merge_cost.py --sizes 1024,4096
+    .venv/bin/edgekv bench run merge_cost --sizes 1024,4096
 writes bench/results/merge_cost.json.
 """
 
@@ -51,8 +51,8 @@ def main() -> None:
 
     from edgekv.bench.speed import long_text_tokens
     from edgekv.ggml_types import type_by_name
-    from edgekv.kvcache.engine import _unrotate
     from edgekv.kvcache.quant import dequantize, quantize
+    from edgekv.kvcache.snapshot import unrotate
     from edgekv.methods import get_method
     from edgekv.methods.chelsea import match
     from edgekv.models import resolve_model
@@ -132,7 +132,7 @@ def main() -> None:
                     block = 64
                     while x.shape[1] % (2 * block) == 0:
                         block *= 2
-                    xr = _unrotate(x, min(block, x.shape[1]))
+                    xr = unrotate(x, min(block, x.shape[1]))
                     for qt in ("q8_0", "q4_0"):
                         tid = type_by_name(qt).id
                         row[f"own_rel_rms_k_{qt}"] = rel_rms(dequantize(quantize(xr, tid), tid, x.shape[1]), xr)

@@ -31,7 +31,7 @@ def reference_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.nd
 def captured_attention(ctx, layer: int) -> tuple[np.ndarray, np.ndarray]:
     """(q [n_q, n_head, d_k], attention output [n_q, n_head, d_v]) of the last decode,
     from the context's capture (``Qcur`` and ``kqv_out`` wanted), V rotation undone."""
-    from edgekv.kvcache.engine import hadamard
+    from edgekv.kvcache.snapshot import hadamard
 
     arch = ctx.model.arch
     q = ctx.capture.get("Qcur", layer)

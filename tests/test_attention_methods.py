@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edgekv.kvcache.engine import KVSnapshot
 from edgekv.kvcache.queries import QueryWindow, window_attention
+from edgekv.kvcache.snapshot import KVSnapshot
 from edgekv.methods import get_method
 from edgekv.methods.snapkv import avg_pool
 

@@ -14,8 +14,9 @@ import pytest
 
 from edgekv.config import BudgetRule
 from edgekv.errors import BudgetError, EdgekvError
-from edgekv.kvcache.engine import KVSnapshot, check_merge, merge_groups
+from edgekv.kvcache.cells import check_merge, merge_groups
 from edgekv.kvcache.queries import window_attention
+from edgekv.kvcache.snapshot import KVSnapshot
 from edgekv.methods import get_method
 from edgekv.methods.chelsea import edges, match
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgekv.kvcache.engine import KVSnapshot
 from edgekv.kvcache.queries import QueryWindow
+from edgekv.kvcache.snapshot import KVSnapshot
 from edgekv.methods import get_method
 
 FIXTURE = Path(__file__).parent / "data" / "kvpress_fixture.npz"

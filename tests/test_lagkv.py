@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 from edgekv.config import BudgetRule
 from edgekv.errors import BudgetError
-from edgekv.kvcache.engine import KVSnapshot, check_keep
+from edgekv.kvcache.cells import check_keep
+from edgekv.kvcache.snapshot import KVSnapshot
 from edgekv.methods import get_method
 from edgekv.methods.lagkv import (
     LagKV,

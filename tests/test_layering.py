@@ -61,7 +61,7 @@ def test_lower_layers_never_import_upper_ones(where: str, banned: tuple[str, ...
 def test_resolves_relative_imports() -> None:
     # the checker itself: session.py imports the engines relatively
     assert "edgekv.kvcache" in _imports(PKG / "session.py")
-    assert "edgekv.errors" in _imports(PKG / "kvcache" / "engine.py")
+    assert "edgekv.errors" in _imports(PKG / "kvcache" / "cells.py")
 
 
 def test_no_outside_assignment_of_methods_monkeypatching_or_path_hacks() -> None:
@@ -102,3 +102,17 @@ def test_the_native_engine_uses_only_public_members_of_other_objects() -> None:
            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
            and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))]
     assert not bad, f"private members of other objects: {bad}"
+
+
+def test_snapshots_are_plain_data() -> None:
+    """An engine's snapshot differs from another's by subclassing (``_load`` and the
+    accelerators it overrides), never by callables injected into its fields."""
+    import dataclasses
+
+    from edgekv.kvcache.native import NativeSnapshot
+    from edgekv.kvcache.snapshot import HostSnapshot, KVSnapshot
+
+    for cls in (KVSnapshot, HostSnapshot, NativeSnapshot):
+        bad = [f.name for f in dataclasses.fields(cls) if "Callable" in str(f.type) or "->" in str(f.type)]
+        assert not bad, f"{cls.__name__} has callable fields {bad}"
+    assert NativeSnapshot.accelerators > KVSnapshot.accelerators == frozenset()

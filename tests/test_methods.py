@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from edgekv.errors import BudgetError, EdgekvError
-from edgekv.kvcache.engine import KVSnapshot, check_keep
+from edgekv.kvcache.cells import check_keep
 from edgekv.kvcache.queries import QueryWindow
+from edgekv.kvcache.snapshot import KVSnapshot
 from edgekv.methods import METHODS
 from edgekv.methods import get_method as _get_method
 from edgekv.methods.base import top_k

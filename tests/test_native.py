@@ -15,7 +15,7 @@ from _helpers import prefill, run_cli
 from edgekv.config import BudgetRule
 from edgekv.errors import EdgekvError
 from edgekv.kvcache import CacheState, StateEngine, layout, native_available
-from edgekv.kvcache import engine as engine_mod
+from edgekv.kvcache import native as native_mod
 from edgekv.kvcache.native import NativeEngine, NativeUnsupported, ReadBuffers, load
 from edgekv.llama import Context
 from edgekv.methods import get_method, lagkv
@@ -193,7 +193,7 @@ def test_a_read_of_many_layers_equals_reads_of_one(smollm2, toks, ck, cv, fa, mo
     assert np.array_equal(kg, k) and np.array_equal(vg, v)
     monkeypatch.delenv("EDGEKV_GRAPH_OPS")
     whole = eng.snapshot()
-    monkeypatch.setattr(engine_mod, "READ_BYTES", 1)  # the snapshot then reads one layer per call
+    monkeypatch.setattr(native_mod, "READ_BYTES", 1)  # the snapshot then reads one layer per call
     one = eng.snapshot()
     for layer in range(L):
         assert np.array_equal(whole.values(layer), one.values(layer))

@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from edgekv.errors import BudgetError
-from edgekv.kvcache.engine import KVSnapshot, check_keep
+from edgekv.kvcache.cells import check_keep
 from edgekv.kvcache.queries import QueryWindow
+from edgekv.kvcache.snapshot import KVSnapshot
 from edgekv.methods.protokv import (
     ProtoKV,
     assign,

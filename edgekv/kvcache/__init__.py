@@ -8,7 +8,8 @@ import ctypes
 
 from ..errors import EdgekvError
 from ..llama import Context, lib
-from .engine import CacheState, KVEngine, KVSnapshot
+from .engine import CacheState, KVEngine
+from .snapshot import KVSnapshot
 from .state import StateEngine
 
 ENGINES = ("auto", "native", "state")

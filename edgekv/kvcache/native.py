@@ -18,27 +18,24 @@ from __future__ import annotations
 
 import ctypes
 import sys
-from dataclasses import replace
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
 
 import numpy as np
 
 from ..errors import EdgekvError, StateLayoutError
 from ..llama import Context
-from .engine import (
-    READ_BYTES,
-    CacheState,
-    KVSnapshot,
-    _unrotate,
+from .cells import (
     check_keep,
     check_merge,
     compacted_positions,
-    hadamard,
     merge_groups,
     merge_keep,
     merged_counts,
 )
+from .engine import CacheState
 from .queries import AttentionTally, QueryWindow
+from .snapshot import KVSnapshot, hadamard, unrotate
 from .state import StateEngine
 
 _ERRORS = {
@@ -54,6 +51,7 @@ _ERRORS = {
 
 
 NATIVE_API = 7  # the patch set version (LLAMA_EDGEKV_API_VERSION) these bindings are written for
+READ_BYTES = 32 << 20  # float32 K+V one native read brings back at most (its device output buffer)
 
 
 class ReadBuffers:
@@ -168,6 +166,11 @@ class NativeEngine:
     def n_cells(self) -> int:
         return self.tokens.n_cells
 
+    @property
+    def generation(self) -> int:
+        """Bumped whenever the cache changes: a snapshot reads lazily and must not outlive it."""
+        return self._gen
+
     # -- helpers ---------------------------------------------------------------
     @property
     def _c(self) -> Any:
@@ -261,56 +264,14 @@ class NativeEngine:
         order = np.argsort(pos_cells, kind="stable")
         pos = pos_cells[order]
         n = pos.shape[0]
-        k_rot, v_rot = self.ctx.k_rot, self.ctx.v_rot
-        H, dk, dv = self.n_kv_head, self.head_dim_k, self.head_dim_v
-        gen = self._gen
-
-        in_order = bool(np.all(order == np.arange(n)))  # cells already in position order (the usual case)
-
-        def cells_major(x: np.ndarray, rot: int) -> np.ndarray:
-            """[H, n, d] in cell order -> [n, H, d] in position order, unrotated (a view where it can)."""
-            x = (x if in_order else x[:, order]).transpose(1, 0, 2)
-            if not rot:
-                return x
-            d = x.shape[2]
-            return _unrotate(x.reshape(n, H * d), rot).reshape(n, H, d)
-
-        def read(layers: range, keys: bool, values: bool) -> tuple[np.ndarray | None, np.ndarray | None]:
-            if self._gen != gen:
-                raise EdgekvError("the cache changed since this snapshot was taken; take a new one")
-            k, v = self.read(layers, cell_order=True, keys=keys, values=values)
-            return (None if k is None else [cells_major(x, k_rot) for x in k]), \
-                   (None if v is None else [cells_major(x, v_rot) for x in v])
-
-        def score(q: np.ndarray, q_pos: np.ndarray, layer: int) -> np.ndarray:
-            if self._gen != gen:
-                raise EdgekvError("the cache changed since this snapshot was taken; take a new one")
-            return self.score(q, q_pos, kq_scale, layers=[layer])[layer]
-
-        def key_sqnorms() -> np.ndarray:
-            if self._gen != gen:
-                raise EdgekvError("the cache changed since this snapshot was taken; take a new one")
-            return self.key_sqnorms(cell_order=True)[:, :, order]
-
-        def lag_scores(members: np.ndarray) -> np.ndarray | None:
-            if self._gen != gen:
-                raise EdgekvError("the cache changed since this snapshot was taken; take a new one")
-            if k_rot or v_rot:
-                return None  # LagKV's per-channel statistics need the unrotated K/V of a read
-            try:
-                cells = members if in_order else np.where(members >= 0, order[np.maximum(members, 0)], -1)
-                return self.lag_scores(cells)
-            except NativeUnsupported:  # a cache outside host memory
-                return None
-
-        kq_scale = self.ctx.model.info.kq_scale
-        return KVSnapshot(pos=pos, token_pos=self.tokens.full(pos, self.n_layer), n_kv_head=H,
-                          head_dim_k=dk, head_dim_v=dv, _section=None, _order=order, _read=read,
-                          queries=self.window.copy() if self.window is not None else None,
-                          kq_scale=kq_scale, _score=score,
-                          tally=self.tally.scores.copy() if self.tally is not None and self.tally.complete else None,
-                          counts=self.tokens.full_counts(self.n_layer, n), bias=self._biased,
-                          _key_sqnorms=key_sqnorms, _lag_scores=lag_scores)
+        return NativeSnapshot(
+            pos=pos, token_pos=self.tokens.full(pos, self.n_layer), n_kv_head=self.n_kv_head,
+            head_dim_k=self.head_dim_k, head_dim_v=self.head_dim_v,
+            queries=self.window.copy() if self.window is not None else None,
+            kq_scale=self.ctx.model.info.kq_scale,
+            tally=self.tally.scores.copy() if self.tally is not None and self.tally.complete else None,
+            counts=self.tokens.full_counts(self.n_layer, n), bias=self._biased,
+            engine=self, gen=self._gen, order=order, in_order=bool(np.all(order == np.arange(n))))
 
     def _compact(self, keep: np.ndarray) -> None:
         pos_cells = self.cell_positions()
@@ -515,3 +476,65 @@ class NativeEngine:
                                                    scale, self._i32(todo), int(todo.size), self._f32(out), n),
                     "score")
         return out[..., np.argsort(self.cell_positions(), kind="stable")]
+
+
+@dataclass
+class NativeSnapshot(KVSnapshot):
+    """The native engine's snapshot: layers read on demand through the device ops, key
+    norms, window attention and LagKV's scores computed where the cache lives. Valid
+    until the cache changes (``engine``'s generation moves on)."""
+
+    accelerators: ClassVar[frozenset[str]] = frozenset({"key_norms", "window_attention", "lag_scores"})
+
+    engine: NativeEngine = field(kw_only=True, repr=False)
+    gen: int = field(kw_only=True, repr=False)  # the engine's generation when taken
+    order: np.ndarray = field(kw_only=True, repr=False)  # cell ordinals in position order
+    in_order: bool = field(kw_only=True, repr=False)  # cells already in position order (the usual case)
+
+    def _live(self) -> NativeEngine:
+        if self.engine.generation != self.gen:
+            raise EdgekvError("the cache changed since this snapshot was taken; take a new one")
+        return self.engine
+
+    def _cells_major(self, x: np.ndarray, rot: int) -> np.ndarray:
+        """[H, n, d] in cell order -> [n, H, d] in position order, unrotated (a view where it can)."""
+        x = (x if self.in_order else x[:, self.order]).transpose(1, 0, 2)
+        if not rot:
+            return x
+        n, h, d = x.shape
+        return unrotate(x.reshape(n, h * d), rot).reshape(n, h, d)
+
+    def _load(self, layer: int, keys: bool, values: bool) -> None:
+        """Read ``layer`` and the layers after it, up to ``READ_BYTES``, in one device call:
+        scorers read every layer anyway, and one call spreads the layers over the host's
+        threads (or one graph) instead of paying a start-up per layer."""
+        eng = self._live()
+        per_layer = 4 * self.n_cells * self.n_kv_head * (keys * self.head_dim_k + values * self.head_dim_v)
+        stop = layer + 1
+        while (stop < min(self.n_layer, layer + READ_BYTES // max(per_layer, 1))
+               and not (keys and stop in self._k) and not (values and stop in self._v)):
+            stop += 1  # up to the first layer already read
+        layers = range(layer, stop)
+        k, v = eng.read(layers, cell_order=True, keys=keys, values=values)
+        for i, at in enumerate(layers):
+            if k is not None:
+                self._k[at] = self._cells_major(k[i], eng.ctx.k_rot)
+            if v is not None:
+                self._v[at] = self._cells_major(v[i], eng.ctx.v_rot)
+
+    def _key_sqnorms(self, layer: int) -> None:
+        """Every layer's sums in one device graph: a few ms where a read costs tens."""
+        self._sqn.update(enumerate(self._live().key_sqnorms(cell_order=True)[:, :, self.order]))
+
+    def _attention(self, layer: int, q: np.ndarray, q_pos: np.ndarray) -> np.ndarray:
+        return self._live().score(q, q_pos, self.kq_scale, layers=[layer])[layer]
+
+    def lag_scores(self, members: np.ndarray) -> np.ndarray | None:
+        eng = self._live()
+        if eng.ctx.k_rot or eng.ctx.v_rot:
+            return None  # LagKV's per-channel statistics need the unrotated K/V of a read
+        try:
+            cells = members if self.in_order else np.where(members >= 0, self.order[np.maximum(members, 0)], -1)
+            return eng.lag_scores(cells)
+        except NativeUnsupported:  # a cache outside host memory
+            return None

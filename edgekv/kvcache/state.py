@@ -14,11 +14,8 @@ import numpy as np
 from ..errors import EdgekvError, StateLayoutError
 from ..llama import Context
 from . import layout
-from .engine import (
-    CacheState,
-    KVSnapshot,
+from .cells import (
     TokenMap,
-    _unrotate,
     average_rows,
     check_keep,
     check_merge,
@@ -27,9 +24,11 @@ from .engine import (
     merge_keep,
     merged_counts,
 )
+from .engine import CacheState
 from .quant import dequantize, quantize, row_size
 from .queries import AttentionTally, QueryWindow, window_attention
 from .rope import Rope
+from .snapshot import HostSnapshot, KVSnapshot, unrotate
 
 
 class StateEngine:
@@ -179,8 +178,8 @@ class StateEngine:
             for h in range(H):  # only the heads that move: a re-quantisation is not free
                 rows = np.flatnonzero(delta[il, h])
                 if rows.size:
-                    k = _unrotate(dequantize(raw[rows, h], ld.k_type, dk), self.ctx.k_rot)
-                    raw[rows, h] = quantize(_unrotate(rope.rotate(k, delta[il, h, rows]), self.ctx.k_rot), ld.k_type)
+                    k = unrotate(dequantize(raw[rows, h], ld.k_type, dk), self.ctx.k_rot)
+                    raw[rows, h] = quantize(unrotate(rope.rotate(k, delta[il, h, rows]), self.ctx.k_rot), ld.k_type)
             ld.k = raw.reshape(n, -1)
         new_pos = np.empty(n, np.int32)
         new_pos[order] = np.arange(n, dtype=np.int32)
@@ -243,20 +242,20 @@ class StateEngine:
         sec = st.sections[0]
         order = np.argsort(sec.pos, kind="stable")
         pos = sec.pos[order]
-        return KVSnapshot(
+        return HostSnapshot(
             pos=pos,
             token_pos=self.tokens.full(pos, len(sec.layers)),
             n_kv_head=self.n_kv_head,
             head_dim_k=self.head_dim_k,
             head_dim_v=self.head_dim_v,
-            _section=sec,
-            _order=order,
-            _k_rot=self.ctx.k_rot,
-            _v_rot=self.ctx.v_rot,
             queries=self.window.copy() if self.window is not None else None,
             kq_scale=self.ctx.model.info.kq_scale,
             tally=self.tally.scores.copy() if self.tally is not None and self.tally.complete else None,
             counts=self.tokens.full_counts(len(sec.layers), sec.n_cells),
+            section=sec,
+            order=order,
+            k_rot=self.ctx.k_rot,
+            v_rot=self.ctx.v_rot,
         )
 
     # -- verbs -----------------------------------------------------------------

@@ -27,7 +27,8 @@ import numpy as np
 
 from ..errors import BudgetError
 from ..gguf_info import ModelInfo
-from ..kvcache.engine import KVEngine, KVSnapshot
+from ..kvcache.engine import KVEngine
+from ..kvcache.snapshot import KVSnapshot
 
 if TYPE_CHECKING:
     from ..config import BudgetRule

@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 
 from ..errors import BudgetError
-from ..kvcache.engine import KVEngine, KVSnapshot
+from ..kvcache.engine import KVEngine
+from ..kvcache.snapshot import KVSnapshot
 from .base import Method, Why
 
 if TYPE_CHECKING:

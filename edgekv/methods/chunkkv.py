@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import BudgetError
-from ..kvcache.engine import KVSnapshot
+from ..kvcache.snapshot import KVSnapshot
 from .base import Method, Why
 from .snapkv import check_window, snapkv_scores
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..errors import EdgekvError
 from ..gguf_info import ModelInfo
-from ..kvcache.engine import KVSnapshot
+from ..kvcache.snapshot import KVSnapshot
 from ..profiles import HeadProfile, load_profile
 from .base import ScorerMethod
 from .snapkv import avg_pool, check_window

@@ -4,7 +4,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..kvcache.engine import KVEngine, KVSnapshot
+from ..kvcache.engine import KVEngine
+from ..kvcache.snapshot import KVSnapshot
 from .base import Method, Why
 
 

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..kvcache.engine import KVSnapshot
+from ..kvcache.snapshot import KVSnapshot
 from .base import Method, Why
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..errors import EdgekvError
-from ..kvcache.engine import KVSnapshot
+from ..kvcache.snapshot import KVSnapshot
 from .base import ScorerMethod, Why
 
 

@@ -84,7 +84,7 @@ import numpy as np
 from numba import njit
 
 from ..gguf_info import ModelInfo
-from ..kvcache.engine import KVSnapshot
+from ..kvcache.snapshot import KVSnapshot
 from .base import Method, Why, top_k
 
 if TYPE_CHECKING:
@@ -216,7 +216,7 @@ def group_order(snap: KVSnapshot, members: np.ndarray) -> tuple[np.ndarray, np.n
     padding last; scores float64, padding -inf), w <= W the widest scored group. Scored
     where the cache lives when the engine can (``KVSnapshot.lag_scores``), else from K and V
     here; both give the same doubles, so the same order."""
-    s = snap.lag_scores(members)
+    s = snap.lag_scores(members) if "lag_scores" in snap.accelerators else None
     if s is None:
         s = np.empty(members.shape[:2] + (members.shape[2] - 1, members.shape[3]))
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..kvcache.engine import KVSnapshot
+from ..kvcache.snapshot import KVSnapshot
 from .base import ScorerMethod
 from .snapkv import check_window
 

@@ -10,8 +10,9 @@ import numpy as np
 
 from ..errors import EdgekvError
 from ..gguf_info import ModelInfo
-from ..kvcache.engine import KVEngine, KVSnapshot
+from ..kvcache.engine import KVEngine
 from ..kvcache.rope import Rope
+from ..kvcache.snapshot import KVSnapshot
 from .base import Method, Why
 
 if TYPE_CHECKING:

@@ -1,0 +1,262 @@
+"""What a method sees of the cache: a snapshot, a plain data view of one sequence.
+
+``KVSnapshot`` holds the cells' positions, the token each (layer, KV head, cell)
+holds, the observation window, the tally and the merge counts, and hands out each
+layer's dequantised keys and values on demand. Where those come from is the only
+thing that differs between engines, so each engine subclasses it and fills in
+``_load``: ``HostSnapshot`` (below) dequantises the state engine's parsed blob, the
+native engine's snapshot (``native.py``) reads through its device ops.
+
+An engine may also do some of a method's arithmetic where the cache lives. Those
+accelerators are named in ``accelerators`` and override the host versions here,
+which compute the same numbers:
+
+- ``"key_norms"``: every key's norm summed on the device (no K read back);
+- ``"window_attention"``: observation-window attention scored on the device;
+- ``"lag_scores"``: LagKV's scores computed in the cache's memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import numpy as np
+
+from ..errors import EdgekvError
+from . import layout
+from .quant import dequantize
+from .queries import QueryWindow, window_attention
+
+
+@dataclass
+class KVSnapshot:
+    """Dequantised keys/values of one sequence's compressible cache.
+
+    Cells are in position order. ``token_pos[l, h, j]`` is the original
+    position of the token whose K/V sit in cell ``j`` of (layer ``l``, head
+    ``h``): after a compaction, cell j holds different tokens in different
+    heads (docs/design.md section 1). ``pos`` is llama.cpp's per-cell
+    position, which only drives masking. Keys and values are returned as the
+    model computed them: llama.cpp's Hadamard rotation of quantised caches is
+    undone here, so scorers see the same channels whatever the cache type.
+
+    This base class holds its layers in memory (``from_arrays``: tests, benchmarks
+    and the papers' test vectors); methods cannot tell it from a snapshot of
+    llama.cpp's cache.
+    """
+
+    accelerators: ClassVar[frozenset[str]] = frozenset()
+
+    pos: np.ndarray
+    token_pos: np.ndarray
+    n_kv_head: int
+    head_dim_k: int
+    head_dim_v: int
+    # the observation window (queries of the newest tokens) when the engine records one
+    queries: QueryWindow | None = None
+    kq_scale: float = 0.0
+    # H2O's accumulated attention per (layer, KV head, cell), when the engine tallies it
+    tally: np.ndarray | None = None
+    # how many tokens each (layer, KV head, cell) stands for (merging methods), float32
+    # [n_layer, n_kv_head, n_cells]; None: one each. ``bias``: attention adds log(counts)
+    counts: np.ndarray | None = None
+    bias: bool = False
+    scored_layers: list[int] = field(default_factory=list, repr=False)  # in the order they were scored
+    _k: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+    _v: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+    _attn: dict[tuple[int, int], np.ndarray] = field(default_factory=dict, repr=False)
+    _sqn: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_arrays(cls, keys: list[np.ndarray], values: list[np.ndarray],
+                    token_pos: np.ndarray | None = None, queries: QueryWindow | None = None,
+                    kq_scale: float = 0.0, tally: np.ndarray | None = None,
+                    counts: np.ndarray | None = None) -> KVSnapshot:
+        """A snapshot of given float K/V ([n, H, d] per layer)."""
+        n, h, dk = keys[0].shape
+        dv = values[0].shape[2]
+        if token_pos is None:
+            token_pos = np.broadcast_to(np.arange(n, dtype=np.int32), (len(keys), h, n)).copy()
+        return cls(pos=np.arange(n, dtype=np.int32), token_pos=token_pos, n_kv_head=h, head_dim_k=dk,
+                   head_dim_v=dv, queries=queries, kq_scale=kq_scale or 1.0 / np.sqrt(dk), tally=tally,
+                   counts=None if counts is None else np.asarray(counts, np.float32),
+                   _k={i: np.asarray(k, np.float32) for i, k in enumerate(keys)},
+                   _v={i: np.asarray(v, np.float32) for i, v in enumerate(values)})
+
+    @property
+    def n_cells(self) -> int:
+        return int(self.pos.shape[0])
+
+    @property
+    def n_layer(self) -> int:
+        return int(self.token_pos.shape[0])
+
+    # -- what an engine's subclass provides ------------------------------------
+    def _load(self, layer: int, keys: bool, values: bool) -> None:
+        """Put ``layer``'s keys (``keys``) and values (``values``) into ``_k`` / ``_v``
+        ([n_cells, n_kv_head, head_dim], unrotated, position order); an engine may bring
+        further layers along."""
+        raise EdgekvError(f"this snapshot holds no layer {layer}")
+
+    def _stored_keys(self, layer: int) -> np.ndarray:
+        """float32 [n_cells, n_kv_head, head_dim_k] as the cache holds them (rotated
+        when llama.cpp rotates them): what ``key_norms`` sums, so both engines agree."""
+        return self.keys(layer)
+
+    def _key_sqnorms(self, layer: int) -> None:
+        """Put ``layer``'s (or every layer's) [n_kv_head, n_cells] key sums of squares into ``_sqn``."""
+        self._sqn[layer] = key_sqnorms(self._stored_keys(layer)).T
+
+    def _attention(self, layer: int, q: np.ndarray, q_pos: np.ndarray) -> np.ndarray:
+        """[n_kv_head, n_cells]: the attention queries ``q`` [n_layer, n_head, n_q, d] at
+        ``q_pos`` pay to ``layer``'s cells, summed per KV head (``queries.window_attention``)."""
+        return window_attention(q[layer], q_pos, self.keys(layer), self.pos, self.kq_scale, self.log_counts(layer))
+
+    def lag_scores(self, members: np.ndarray) -> np.ndarray | None:
+        """LagKV's scores, K plus V, of groups of cells, each group against the next one,
+        computed where the cache lives without reading K and V out: members int
+        [n_layer, n_kv_head, G + 1, W] (ordinals in position order, a group ending at its
+        first -1) -> float64 [n_layer, n_kv_head, G, W], padding -inf. None where the engine
+        cannot (no ``"lag_scores"`` accelerator, or a cache llama.cpp rotates or keeps off
+        the host): the method then scores ``keys`` and ``values`` itself, to the same doubles."""
+        return None
+
+    # -- what methods read -------------------------------------------------------
+    def keys(self, layer: int) -> np.ndarray:
+        """float32 [n_cells, n_kv_head, head_dim_k] (post-RoPE, as cached)."""
+        if layer not in self._k:
+            self._load(layer, True, False)  # keys only: scorers rarely need values
+        return self._k[layer]
+
+    def values(self, layer: int) -> np.ndarray:
+        """float32 [n_cells, n_kv_head, head_dim_v]."""
+        if layer not in self._v:
+            self._load(layer, layer not in self._k, True)  # K once only
+        return self._v[layer]
+
+    def key_norms(self, layer: int) -> np.ndarray:
+        """float32 [n_kv_head, n_cells]: the L2 norm of every cached key.
+
+        Taken over the keys as stored (a rotation preserves the norm) as float32 sums of
+        squares (``key_sqnorms``), so a device's sums and the host's are the same floats
+        and both engines rank near-ties alike."""
+        if layer not in self._sqn:
+            self._key_sqnorms(layer)
+        return np.sqrt(self._sqn[layer])
+
+    def log_counts(self, layer: int) -> np.ndarray | None:
+        """The bias attention adds to ``layer``'s logits: log(counts) when the engine applies it."""
+        return np.log(self.counts[layer]) if self.bias and self.counts is not None else None
+
+    def _window(self, n_queries: int) -> tuple[np.ndarray, np.ndarray]:
+        if self.queries is None:
+            raise EdgekvError("this method needs the observation window (queries), which the "
+                              "engine is not recording")
+        return self.queries.last(n_queries)
+
+    def window_attention(self, layer: int, n_queries: int) -> np.ndarray:
+        """float64 [n_kv_head, n_cells]: the attention the newest ``n_queries`` window
+        queries pay to each cell, summed over them and over each KV head's query heads
+        (``queries.window_attention``). Computed once per layer and kept;
+        ``scored_layers`` records which layers paid for it."""
+        key = (layer, n_queries)
+        if key not in self._attn:
+            q, q_pos = self._window(n_queries)
+            self._attn[key] = np.asarray(self._attention(layer, q, q_pos), np.float64)
+            self.scored_layers.append(layer)
+        return self._attn[key]
+
+    def head_attention(self, layer: int, n_queries: int, heads: list[int]) -> np.ndarray:
+        """float64 [len(heads), n_cells]: like ``window_attention`` for single query heads
+        (CompressKV's retrieval heads), each summed over the newest ``n_queries`` queries
+        only. With the ``"window_attention"`` accelerator they are scored on the device,
+        one query head per KV head per call."""
+        q, q_pos = self._window(n_queries)
+        n_head = q.shape[1]
+        group = n_head // self.n_kv_head
+        if any(not 0 <= h < n_head for h in heads):
+            raise EdgekvError(f"query heads must be in 0..{n_head - 1}, got {heads}")
+        out = np.zeros((len(heads), self.n_cells))
+        if "window_attention" not in self.accelerators:
+            k = self.keys(layer)
+            for i, h in enumerate(heads):
+                g = h // group
+                out[i] = window_attention(q[layer, h : h + 1], q_pos, k[:, g : g + 1], self.pos, self.kq_scale)[0]
+            return out
+        # rounds of one query head per KV head (rows of unused KV heads are ignored)
+        todo = list(enumerate(heads))
+        while todo:
+            taken: dict[int, tuple[int, int]] = {}
+            rest = []
+            for i, h in todo:
+                if h // group in taken:
+                    rest.append((i, h))
+                else:
+                    taken[h // group] = (i, h)
+            qr = np.zeros((q.shape[0], self.n_kv_head) + q.shape[2:], np.float32)
+            for g, (_, h) in taken.items():
+                qr[layer, g] = q[layer, h]
+            a = self._attention(layer, qr, q_pos)
+            for g, (i, _) in taken.items():
+                out[i] = a[g]
+            todo = rest
+        return out
+
+
+@dataclass
+class HostSnapshot(KVSnapshot):
+    """The state engine's snapshot: layers dequantised from the parsed state blob on demand."""
+
+    section: layout.CacheSection = field(kw_only=True, repr=False)
+    order: np.ndarray = field(kw_only=True, repr=False)  # cell ordinals in position order
+    k_rot: int = field(kw_only=True, default=0, repr=False)  # llama.cpp's Hadamard block, 0: none
+    v_rot: int = field(kw_only=True, default=0, repr=False)
+
+    def _load(self, layer: int, keys: bool, values: bool) -> None:
+        ld = self.section.layers[layer]
+        if keys:
+            k = unrotate(dequantize(ld.k, ld.k_type, self.n_kv_head * self.head_dim_k)[self.order], self.k_rot)
+            self._k[layer] = k.reshape(self.n_cells, self.n_kv_head, self.head_dim_k)
+        if values:
+            raw = ld.v
+            if self.section.v_trans:
+                # [n_embd_v, n, el] -> [n, n_embd_v * el]: rows of one cell.
+                raw = np.ascontiguousarray(raw.transpose(1, 0, 2)).reshape(self.n_cells, -1)
+            v = unrotate(dequantize(raw, ld.v_type, self.n_kv_head * self.head_dim_v)[self.order], self.v_rot)
+            self._v[layer] = v.reshape(self.n_cells, self.n_kv_head, self.head_dim_v)
+
+    def _stored_keys(self, layer: int) -> np.ndarray:
+        if not self.k_rot:
+            return self.keys(layer)
+        ld = self.section.layers[layer]
+        k = dequantize(ld.k, ld.k_type, self.n_kv_head * self.head_dim_k)[self.order]
+        return k.reshape(self.n_cells, self.n_kv_head, self.head_dim_k)
+
+
+def key_sqnorms(x: np.ndarray) -> np.ndarray:
+    """float32 sums of squares over the last axis, computed as ggml's CPU backend does
+    (``sqr`` then ``sum_rows``): float32 squares added in order in float64, rounded
+    once to float32."""
+    x = np.asarray(x, np.float32)
+    acc = np.zeros(x.shape[:-1], np.float64)
+    for j in range(x.shape[-1]):  # in channel order; np.sum would add in pairs
+        acc += np.square(x[..., j], dtype=np.float32)
+    return acc.astype(np.float32)
+
+
+def hadamard(n: int) -> np.ndarray:
+    """The orthonormal Walsh-Hadamard matrix exactly as llama.cpp builds it (float32, H @ H = I)."""
+    h = np.array([[1.0 / np.sqrt(np.float32(n))]], dtype=np.float32)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
+def unrotate(x: np.ndarray, block: int) -> np.ndarray:
+    """Undo llama.cpp's Walsh-Hadamard rotation of quantised caches (H is its own inverse)
+    on rows ``x`` [n, channels]; ``block`` 0: not rotated."""
+    if not block:
+        return x
+    n, c = x.shape
+    return (x.reshape(n, c // block, block) @ hadamard(block)).reshape(n, c)
