@@ -14,7 +14,7 @@ each side by side in one run, rounds interleaved, medians reported:
   recording, recording the observation window (SnapKV, ChunkKV) and tallying
   the attention of every query (H2O), per engine.
 
-    .venv/bin/python bench/attention_cost.py --lengths 1024,4096 --rounds 3
+    .venv/bin/edgekv bench run attention_cost --lengths 1024,4096 --rounds 3
 writes bench/results/attention_cost.json.
 """
 

@@ -11,7 +11,7 @@ kept for a window of 64 tokens). This times prefill (1024 tokens, two
 their order every round, on the default model (f16, flash attention off,
 2 threads), and reports medians.
 
-    .venv/bin/python bench/capture_cost.py --rounds 8
+    .venv/bin/edgekv bench run capture_cost --rounds 8
 writes bench/results/capture_cost.json.
 """
 

@@ -15,7 +15,7 @@ over; the faster of the two is the bound. And the same gather outside llama.cpp 
 fancy indexing, one thread), what the access pattern itself costs. Engines and paths take
 turns on every repeat.
 
-    .venv/bin/python bench/compaction.py --sizes 512,1024,2048,4096
+    .venv/bin/edgekv bench run compaction --sizes 512,1024,2048,4096
 writes bench/results/compaction.json and compaction.png.
 """
 

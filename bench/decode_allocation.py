@@ -15,7 +15,7 @@ If "same allocation" decodes like "compressed", the gap to "fresh" is the
 allocation (strides of the cache tensors, a transposed V's rows ``n_ctx``
 cells apart), not what compression leaves behind.
 
-    .venv/bin/python bench/decode_allocation.py --length 8192 --cells 1024 --method knorm
+    .venv/bin/edgekv bench run decode_allocation --length 8192 --cells 1024 --method knorm
 
 appends one JSON line to bench/results/decode_allocation.jsonl (``--out``).
 """

@@ -6,7 +6,7 @@ This decides what edgekv's ``--flash-attn auto`` means on the CPU
 percent over minutes, so the two settings are measured alternately at every
 context length and each number is the median over ``--repeat`` rounds.
 
-    .venv/bin/python bench/flash_attention.py --lengths 1k,2k,4k --repeat 2
+    .venv/bin/edgekv bench run flash_attention --lengths 1k,2k,4k --repeat 2
 writes bench/results/flash_attn.json and flash_attn.png.
 """
 

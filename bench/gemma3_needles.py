@@ -15,7 +15,7 @@ On the first ``--n`` niah_single samples (1024 tokens, chat template, as
 4. the spread of key norms (coefficient of variation per (layer, head)) of the
    compressed layers, for Gemma 3 and SmolLM2, over the first 1000 tokens of Emma.
 
-    .venv/bin/python bench/gemma3_needles.py --n 4
+    .venv/bin/edgekv bench run gemma3_needles --n 4
 writes bench/results/gemma3_needles.json.
 """
 

@@ -19,7 +19,7 @@ the two largest logits of each side, and whether the most likely token agrees, w
 CPU features the loaded ggml runs. Run it once per kernel set (``bash
 scripts/test_kernels.sh`` builds the AVX2 one under ``build/cpu-avx2``)::
 
-    .venv/bin/python bench/kshift_noise.py
+    .venv/bin/edgekv bench run kshift_noise
     build/cpu-avx2/.venv/bin/python bench/kshift_noise.py
 """
 

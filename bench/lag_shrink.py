@@ -11,7 +11,7 @@ runs, alternating:
 
     for i in 1 2 3; do for k in OLD_KEY NEW_KEY; do
       .venv/bin/python -m pip install -q --force-reinstall --no-deps ~/.cache/edgekv/wheels/$k/*.whl
-      .venv/bin/python bench/lag_shrink.py
+      .venv/bin/edgekv bench run lag_shrink
     done; done
 """
 

@@ -12,7 +12,7 @@ the cells LagKV kept for the same sample, so every point compares equal
 memory. Then the question arrives and 8 tokens are generated greedily (LagKV
 keeps compressing on its own schedule meanwhile).
 
-    .venv/bin/python bench/lagkv.py --n 10 --tokens 1500
+    .venv/bin/edgekv bench run lagkv --n 10 --tokens 1500
 writes bench/results/lagkv.json and lagkv.png.
 """
 

@@ -21,9 +21,9 @@ are measured, and each method's cache after the document is kept as an edgekv
 session file under ``~/.cache/edgekv/long_document/``, so a stopped run asks
 the remaining questions without ingesting again.
 
-    .venv/bin/python bench/long_document.py --model smollm2-135m --tokens 32768 --budget 2048
-    .venv/bin/python bench/long_document.py --model qwen2.5-coder-0.5b --tokens 32768 --budget 2048
-    .venv/bin/python bench/long_document.py --model smollm2-135m --methods knorm,lagkv --versus-full
+    .venv/bin/edgekv bench run long_document --model smollm2-135m --tokens 32768 --budget 2048
+    .venv/bin/edgekv bench run long_document --model qwen2.5-coder-0.5b --tokens 32768 --budget 2048
+    .venv/bin/edgekv bench run long_document --model smollm2-135m --methods knorm,lagkv --versus-full
 """
 
 from __future__ import annotations

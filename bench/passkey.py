@@ -6,7 +6,7 @@ prefilled once per sample, the cache is compressed to the kept fraction, and
 only then does the question arrive. Each sample is prefilled once and its
 sequence state restored for every (method, fraction).
 
-    .venv/bin/python bench/passkey.py --n 10 --tokens 1500
+    .venv/bin/edgekv bench run passkey --n 10 --tokens 1500
 writes bench/results/passkey.json and passkey.png.
 """
 

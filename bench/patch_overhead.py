@@ -20,7 +20,7 @@ the medians. A shared machine drifts by tens of percent over minutes (a first
 run with one prefill and 64 decodes per process put 1k-token ratios at 0.85
 and 1.07), which is why the two sides alternate and each process repeats.
 
-    .venv/bin/python bench/patch_overhead.py --lengths 1k,4k,8k --rounds 5
+    .venv/bin/edgekv bench run patch_overhead --lengths 1k,4k,8k --rounds 5
 writes bench/results/patch_overhead.json and patch_overhead.png.
 """
 

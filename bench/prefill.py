@@ -12,7 +12,7 @@ so the fastest can become the default, and on the model converted to each of
 each edgekv prefill, ``--decode`` tokens are decoded greedily, so a weight type's
 prefill gain is read next to its decode speed.
 
-    .venv/bin/python bench/prefill.py --lengths 1024,4096,8192 --rounds 3
+    .venv/bin/edgekv bench run prefill --lengths 1024,4096,8192 --rounds 3
 writes bench/results/prefill.json.
 """
 

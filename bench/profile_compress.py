@@ -4,7 +4,7 @@
 (the ingest setting of ``edgekv bench speed``: 256-token chunks, budget cells,
 n_ctx = budget + 256).
 
-    .venv/bin/python bench/profile_compress.py --method lagkv --tokens 8192 --budget 1024
+    .venv/bin/edgekv bench run profile_compress --method lagkv --tokens 8192 --budget 1024
 
 prints the compression count, the mean time per compression, its share of the
 ingest and the profile's top entries by cumulative time. The profiler adds its

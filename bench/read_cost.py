@@ -4,7 +4,7 @@
 straight into the caller's array) against the ggml graph GPUs run
 (``EDGEKV_GRAPH_OPS=1``), and pooled output buffers against fresh ones.
 
-    .venv/bin/python bench/read_cost.py --tokens 2048 --layers 20 --repeat 9
+    .venv/bin/edgekv bench run read_cost --tokens 2048 --layers 20 --repeat 9
 
 A session of ``--tokens`` tokens through a 1024-cell LagKV cache, then
 ``--layers`` layers read at once, K alone and V alone, for flash attention off

@@ -8,7 +8,7 @@ first turn, so every context size and code path has been allocated once) and at 
 end. With more conversations than ``--max-live`` contexts, the least recently used
 idle conversations go to disk and come back, every turn.
 
-    .venv/bin/python bench/server_load.py --conversations 16 --turns 6
+    .venv/bin/edgekv bench run server_load --conversations 16 --turns 6
 writes bench/results/server_load.json.
 """
 

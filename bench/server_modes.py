@@ -13,7 +13,7 @@ rounds (one token per conversation), the two setups interleaved, median over the
 rounds. The ratio is the case for batching across conversations; what the server
 would lose with it is in docs/server.md.
 
-    .venv/bin/python bench/server_modes.py --conversations 4 --cells 1280 --prefill 512
+    .venv/bin/edgekv bench run server_modes --conversations 4 --cells 1280 --prefill 512
 writes bench/results/server_modes.json.
 """
 

@@ -366,3 +366,26 @@ def test_batched_scoring_matches_token_by_token(smollm2, fa: str) -> None:
             single.append(s.logits())
     for a, b in zip(batched, single, strict=True):
         assert next_token_kl(b, a) < KL_NOISE
+
+
+def test_every_bench_script_is_reachable_from_one_entry_and_documented(capsys) -> None:
+    """``edgekv bench list`` names every script in bench/, ``edgekv bench run NAME`` runs it
+    with its own arguments, and bench/README.md gives each one its command."""
+    from typer.testing import CliRunner
+
+    from edgekv.bench.cli import bench_app
+    from edgekv.bench.scripts import SCRIPTS, run, scripts
+
+    names = sorted(p.stem for p in SCRIPTS.glob("*.py"))
+    assert len(names) >= 20 and sorted(scripts()) == names
+    res = CliRunner().invoke(bench_app, ["list"])
+    assert res.exit_code == 0 and [line.split()[0] for line in res.output.splitlines()] == names
+    readme = (SCRIPTS / "README.md").read_text()
+    missing = [n for n in names if f"edgekv bench run {n}" not in readme]
+    assert not missing, f"bench/README.md gives no command for {missing}"
+    # a script's own parser answers, under the entry's name, before it loads anything
+    assert run("passkey", ["--help"]) == 0
+    assert "usage: edgekv bench run passkey" in capsys.readouterr().out
+    assert run("passkey", ["--no-such-option"]) == 2
+    res = CliRunner().invoke(bench_app, ["run", "nope"])
+    assert res.exit_code == 2 and "no benchmark 'nope'; one of: ab_commits, attention_cost" in res.output

@@ -1,4 +1,4 @@
-"""`edgekv bench`: quality, speed and report sub-commands (a typer sub-app).
+"""`edgekv bench`: quality, speed, report, and the scripts in bench/ (list, run).
 
 Mounted by ``edgekv/cli.py`` as ``app.add_typer(bench_app, name="bench")``;
 also runnable on its own: ``python -m edgekv.bench.cli quality ...``.
@@ -167,6 +167,36 @@ def report_cmd(
         _report(directory)
     except EdgekvError as e:
         _fail(e)
+
+
+@bench_app.command("list")
+def list_cmd() -> None:
+    """The single-purpose benchmarks in bench/, each run as `edgekv bench run NAME`."""
+    from .scripts import scripts
+
+    try:
+        found = scripts()
+    except EdgekvError as e:
+        _fail(e)
+    width = max(map(len, found))
+    for name, what in found.items():
+        typer.echo(f"{name:<{width}}  {what}")
+
+
+@bench_app.command("run", add_help_option=False,
+                   context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def run_cmd(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="A script in bench/ (edgekv bench list); its own --help says more.")],
+) -> None:
+    """Run one of bench/'s single-purpose benchmarks with its own arguments."""
+    from .scripts import run
+
+    try:
+        code = run(name, list(ctx.args))
+    except EdgekvError as e:
+        _fail(e)
+    raise typer.Exit(code)
 
 
 @bench_app.command("text")
