@@ -522,11 +522,16 @@ def info(model: ModelArg = None) -> None:
     """Architecture, KV geometry, KV bytes per token per cache type, trained context, engine,
     and the CPU features llama.cpp's kernels use (worth quoting in a bug report)."""
     try:
+        from .archs import verdict
         from .gguf_info import format_info, read_model_info
         from .models import resolve_model
 
         path = resolve_model(model)
-        typer.echo(format_info(read_model_info(path)))
+        info = read_model_info(path)
+        v = verdict(info)
+        typer.echo(format_info(info))
+        typer.echo(f"positions   {v.positions}; KV layout: {v.kv_layout}")
+        typer.echo(f"edgekv      {v.line()}")
         from .kvcache import engine_summary
         from .llama import cpu_features
 
@@ -578,6 +583,27 @@ def models_quantize(
         dest, secs = quantize(src, type_name, out)
         what = f"converted in {secs:.1f} s" if secs else "already converted"
         typer.echo(f"{dest} ({dest.stat().st_size / 2**20:.0f} MiB, {what})")
+    except EdgekvError as e:
+        _fail(e)
+
+
+@models_app.command("tiny")
+def models_tiny(
+    arch: Annotated[str, typer.Argument(help="An architecture family, or 'all'.")],
+    out: Annotated[Path, typer.Option(help="Directory for tiny-<arch>.gguf.")] = Path("."),
+    seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
+) -> None:
+    """Write a few-MB random-weight GGUF of an architecture family (the architecture
+    matrix's models; the default model's vocabulary). Prints each file's path."""
+    from .models import resolve_model
+    from .tinymodels import SPECS, make_tiny
+
+    try:
+        if out.exists() and not out.is_dir():
+            raise EdgekvError(f"--out {out} is a file, not a directory")
+        vocab = resolve_model(None)
+        for a in list(SPECS) if arch == "all" else [arch]:
+            typer.echo(str(make_tiny(a, out, vocab_from=vocab, seed=seed)))
     except EdgekvError as e:
         _fail(e)
 

@@ -343,6 +343,9 @@ class ModelInfo:
     # the factor llama.cpp's attention multiplies q.k by (not always 1/sqrt(head_dim_k))
     kq_scale: float = 0.0
     attn_logit_softcap: float = 0.0  # Gemma 2's tanh soft-capping of the logits; 0: none
+    positions: str = "rope"  # how attention knows positions: "rope", "learned" (embeddings) or "alibi"
+    kv_lora_rank: int = 0  # MLA (DeepSeek-V2 style): the one latent each layer caches; 0: none
+    recurrent: bool = False  # keeps recurrent state (SSM, RWKV, short convolutions), alone or beside attention
 
     @property
     def is_swa_model(self) -> bool:
@@ -461,7 +464,29 @@ def read_model_info(path: str | os.PathLike[str]) -> ModelInfo:
         swa_pattern_source=source,
         kq_scale=_kq_scale(arch, key("attention.scale"), n_layer, n_embd, n_head, head_dim_k),
         attn_logit_softcap=float(key("attn_logit_softcapping", 0.0) or 0.0),
+        positions=_positions(arch, key("attention.max_alibi_bias", 0.0), n_layer),
+        kv_lora_rank=int(key("attention.kv_lora_rank", 0) or 0),
+        recurrent=any(k.startswith(tuple(f"{arch}.{g}" for g in _RECURRENT_KEYS)) for k in m),
     )
+
+
+# Architectures whose attention adds ALiBi's linear bias instead of rotating q and k
+# (llama.cpp sets f_max_alibi_bias in their load_arch_hparams, src/models/*.cpp; MPT and
+# JAIS read it from the GGUF, Baichuan uses it on its 40-layer 13B only), and those
+# that add learned absolute position embeddings to the input.
+_ALIBI_ARCHS = {"bloom": 0, "refact": 0, "baichuan": 40}
+_LEARNED_POS_ARCHS = ("gpt2", "starcoder", "mpt")
+# metadata groups of the recurrent blocks llama.cpp keeps state for (Mamba, RWKV, LFM2, ...)
+_RECURRENT_KEYS = ("ssm.", "wkv.", "shortconv.", "time_mix_extra_dim")
+
+
+def _positions(arch: str, max_alibi_bias: Any, n_layer: int) -> str:
+    """How ``arch``'s attention sees positions, as llama.cpp builds it."""
+    if arch in _ALIBI_ARCHS and _ALIBI_ARCHS[arch] in (0, n_layer):
+        return "alibi"
+    if isinstance(max_alibi_bias, (int, float)) and max_alibi_bias > 0:
+        return "alibi"
+    return "learned" if arch in _LEARNED_POS_ARCHS else "rope"
 
 
 def _kq_scale(arch: str, gguf_scale: Any, n_layer: int, n_embd: int, n_head: int, head_dim_k: int) -> float:

@@ -27,6 +27,9 @@ Options:
   baseline of ``bench/patch_overhead.py``).
 - ``--target DIR``: install the wheel into DIR (``pip install --target``)
   instead of this Python.
+- ``--install`` also installs the gguf-py of the same vendored llama.cpp in place of
+  PyPI's ``gguf`` (same version number, older names), so generated models use the
+  names this libllama loads.
 - ``EDGEKV_BLAS=1``: ggml's OpenBLAS backend too (needs Debian's
   ``libopenblas-dev``), for experiments: it took large matrix products and
   prefilled slower here than the CPU kernels (``bench/RESULTS.md``), so
@@ -244,6 +247,23 @@ def build(cuda: bool, cpu: str = "native", stock: bool = False) -> Path:
         return final
 
 
+def install_gguf_py() -> None:
+    """pip install the gguf-py that ships inside the vendored llama.cpp, in place of PyPI's:
+    its tensor and key names are the ones this libllama loads (``edgekv/tinymodels.py``
+    writes models with them; PyPI's release of the same version number lags behind)."""
+    dest = CACHE / "gguf-py" / VERSION
+    if not (dest / "pyproject.toml").is_file():
+        prefix = f"llama_cpp_python-{VERSION}/vendor/llama.cpp/gguf-py/"
+        with tempfile.TemporaryDirectory(prefix="edgekv-gguf-") as tmp, tarfile.open(fetch_sdist()) as tf:
+            tf.extractall(tmp, members=[m for m in tf.getmembers() if m.name.startswith(prefix)], filter="data")
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(dest, ignore_errors=True)
+            shutil.move(str(Path(tmp) / prefix), dest)
+    log(f"installing llama.cpp's own gguf-py ({dest})")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(dest)],
+                   check=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cuda", action="store_true", default=os.environ.get("EDGEKV_CUDA") == "1",
@@ -277,6 +297,7 @@ def main() -> None:
         # pass brings in the bindings' own dependencies.
         subprocess.run([*pip, "--force-reinstall", "--no-deps", str(whl)], check=True)
         subprocess.run([*pip, str(whl)], check=True)
+        install_gguf_py()
 
 
 if __name__ == "__main__":

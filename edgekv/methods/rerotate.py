@@ -95,6 +95,10 @@ class KeyRerotation(Method):
         return self.method.budget_error(budget)
 
     def attach(self, info: ModelInfo) -> None:
+        if info.positions != "rope":  # learned or ALiBi positions: keys carry no rotation
+            raise EdgekvError(f"re-rotating keys is not supported for {info.arch} (no RoPE: its positions are "
+                              f"{'ALiBi biases' if info.positions == 'alibi' else 'learned embeddings'}); "
+                              "run without position re-indexing")
         if info.is_swa_model:  # the rest of what Rope.of refuses is checked at the first compression
             raise EdgekvError(f"re-rotating keys is not supported for {info.arch} (sliding-window layers: "
                               "two caches, two RoPE bases); run without position re-indexing")

@@ -1,0 +1,68 @@
+"""Which model architectures edgekv compresses, read from a GGUF header.
+
+A verdict per architecture family: ``supported`` where the architecture matrix
+(``tests/test_archs.py``, on the tiny models of ``tinymodels.py``) checks it,
+``refused`` where edgekv will not load it, and ``unverified`` for what loads
+but the matrix does not yet check, with the reason it might not be exact.
+``edgekv info`` prints it; docs/architectures.md is the table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .gguf_info import ModelInfo
+
+# the families the architecture matrix runs (tests/test_archs.py): a tiny model of each
+# passes every method on both engines, session files, +rerotate where RoPE allows it
+TESTED = ("llama", "mistral3", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "olmo2", "granite",
+          "starcoder2", "gpt2")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    status: str  # "supported", "refused" or "unverified"
+    attention: str  # full, or sliding windows beside full layers
+    positions: str  # RoPE, learned, ALiBi
+    kv_layout: str
+    notes: tuple[str, ...]  # what applies (engines, methods), or why it is refused / unverified
+
+    def line(self) -> str:
+        return f"{self.status}: " + "; ".join(self.notes)
+
+
+def verdict(info: ModelInfo) -> Verdict:
+    """The verdict for the model ``info`` describes."""
+    attention = (f"sliding window {info.sliding_window} on {sum(info.swa_layers)} of {info.n_layer} layers"
+                 if info.is_swa_model else "full")
+    positions = {"rope": "RoPE", "learned": "learned (absolute embeddings)", "alibi": "ALiBi"}[info.positions]
+    layout = (f"one {info.kv_lora_rank}-wide latent per layer (MLA)" if info.kv_lora_rank
+              else f"K and V per KV head ({info.n_head_kv} KV heads of {info.n_head})")
+    if info.recurrent:
+        return Verdict("refused", attention, positions, "recurrent state" + (" beside attention" if info.n_head else ""),
+                       ("keeps recurrent state, which cannot be pruned per token; edgekv compresses attention "
+                        "KV caches only",))
+    notes: list[str] = []
+    if info.is_swa_model:
+        notes.append("the sliding-window layers keep llama.cpp's own window; only the full-attention layers "
+                     "are compressed, on the state engine (the native ops do not handle iSWA caches)")
+    if info.attn_logit_softcap:
+        notes.append("attention-scored methods are refused: their scores would not model the logit "
+                     "soft-capping")
+    if info.positions != "rope":
+        notes.append("+rerotate is refused: keys carry no rotation to renumber")
+    if info.kv_lora_rank:
+        return Verdict("unverified", attention, positions, layout,
+                       ("MLA: every head shares each layer's one latent, so per-head selection does not "
+                        "apply; not checked by the architecture matrix", *notes))
+    if info.positions == "alibi":
+        return Verdict("unverified", attention, positions, layout,
+                       ("ALiBi: a per-head compaction leaves a cell one position for tokens of several "
+                        "positions, which ALiBi's distance bias sees; not checked by the architecture matrix",
+                        *notes))
+    if info.arch not in TESTED:
+        return Verdict("unverified", attention, positions, layout,
+                       (f"{info.arch} is not in edgekv's architecture matrix; it is compressed as the "
+                        "matrix's families are", *notes))
+    return Verdict("supported", attention, positions, layout,
+                   (*notes,) or ("every method on both engines",))

@@ -1,0 +1,256 @@
+"""Tiny random-weight GGUF models of many architecture families, made on demand.
+
+edgekv must compress every model a user brings, but real checkpoints of each
+family are gigabytes. What matters to a KV cache is the attention's shape (GQA,
+QK-norm, sliding windows, soft-capping, learned or ALiBi positions, biases,
+post-norms), not trained weights, so this module writes a few-MB GGUF per family
+with seeded random weights and the hyperparameters that matter, with the
+tensor and key names of the gguf-py that ships inside the vendored llama.cpp
+(``scripts/setup.sh`` installs that copy), so libllama loads them as the real
+thing. The vocabulary (and chat template) is copied from a real GGUF, the
+default model's, so prompts tokenise as usual.
+
+    path = make_tiny("qwen3", out_dir, vocab_from=default_model_path)
+
+Nothing made here is committed: tests and ``edgekv models tiny`` make them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .errors import EdgekvError
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The geometry every tiny model shares, and each family may change."""
+
+    n_layer: int = 4
+    n_embd: int = 64
+    n_head: int = 4
+    n_head_kv: int = 2  # GQA: two query heads per KV head
+    head_dim: int = 16
+    n_ff: int = 128
+    n_ctx_train: int = 2048
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """One family: its llama.cpp architecture name, geometry, extra metadata and tensors."""
+
+    arch: str
+    what: str  # the attention features this family exercises, in a few words
+    shape: Shape = Shape()
+    keys: dict[str, object] = field(default_factory=dict)  # "{arch}.xxx" -> value, beyond the common ones
+    norm_eps: str = "rms"  # "rms": attention.layer_norm_rms_epsilon, "ln": attention.layer_norm_epsilon
+    tensors: Callable[[Shape], list[tuple[str, tuple[int, ...]]]] = field(default=lambda s: [])
+
+
+# -- tensor layouts ---------------------------------------------------------------
+# Shapes are ggml's (ne0 first), as llama.cpp's load_arch_tensors writes them.
+
+def _global(s: Shape, *, norm_bias: bool = False, output: bool = False,
+            pos_embd: bool = False, embd_norm: bool = False) -> list[tuple[str, tuple[int, ...]]]:
+    out = [("token_embd.weight", (s.n_embd, -1)), ("output_norm.weight", (s.n_embd,))]
+    if norm_bias:
+        out.append(("output_norm.bias", (s.n_embd,)))
+    if output:
+        out.append(("output.weight", (s.n_embd, -1)))
+    if pos_embd:
+        out.append(("position_embd.weight", (s.n_embd, s.n_ctx_train)))
+    if embd_norm:
+        out += [("token_embd_norm.weight", (s.n_embd,)), ("token_embd_norm.bias", (s.n_embd,))]
+    return out
+
+
+def _layers(s: Shape, *, qkv: str = "split", qkv_bias: bool = False, out_bias: bool = False,
+            pre_norm: bool = True, norm_bias: bool = False, qk_norm: str = "", post_norms: bool = False,
+            ffn: str = "gated", ffn_bias: bool = False) -> list[tuple[str, tuple[int, ...]]]:
+    """Per-layer tensors. ``qkv``: "split" (attn_q/k/v) or "fused" (attn_qkv); ``qk_norm``:
+    "" none, "head" (one weight per head dim, Qwen3/Gemma 3), "full" (over all heads, OLMo 2);
+    ``ffn``: "gated" (gate/up/down), "plain" (up/down), "fused" (Phi-3's gate and up in one)."""
+    e, q, kv, f = s.n_embd, s.n_head * s.head_dim, s.n_head_kv * s.head_dim, s.n_ff
+    out: list[tuple[str, tuple[int, ...]]] = []
+    for i in range(s.n_layer):
+        b = f"blk.{i}."
+        if pre_norm:
+            out.append((b + "attn_norm.weight", (e,)))
+            if norm_bias:
+                out.append((b + "attn_norm.bias", (e,)))
+        if qkv == "fused":
+            out.append((b + "attn_qkv.weight", (e, q + 2 * kv)))
+            if qkv_bias:
+                out.append((b + "attn_qkv.bias", (q + 2 * kv,)))
+        else:
+            out += [(b + "attn_q.weight", (e, q)), (b + "attn_k.weight", (e, kv)), (b + "attn_v.weight", (e, kv))]
+            if qkv_bias:
+                out += [(b + "attn_q.bias", (q,)), (b + "attn_k.bias", (kv,)), (b + "attn_v.bias", (kv,))]
+        out.append((b + "attn_output.weight", (q, e)))
+        if out_bias:
+            out.append((b + "attn_output.bias", (e,)))
+        if qk_norm == "head":
+            out += [(b + "attn_q_norm.weight", (s.head_dim,)), (b + "attn_k_norm.weight", (s.head_dim,))]
+        elif qk_norm == "full":
+            out += [(b + "attn_q_norm.weight", (q,)), (b + "attn_k_norm.weight", (kv,))]
+        if post_norms:
+            out.append((b + "post_attention_norm.weight", (e,)))
+        if pre_norm:
+            out.append((b + "ffn_norm.weight", (e,)))
+            if norm_bias:
+                out.append((b + "ffn_norm.bias", (e,)))
+        if ffn == "gated":
+            out.append((b + "ffn_gate.weight", (e, f)))
+        out += [(b + "ffn_up.weight", (e, 2 * f if ffn == "fused" else f)), (b + "ffn_down.weight", (f, e))]
+        if ffn_bias:
+            out += [(b + "ffn_up.bias", (f,)), (b + "ffn_down.bias", (e,))]
+        if post_norms:
+            out.append((b + "post_ffw_norm.weight", (e,)))
+    return out
+
+
+def _llama_like(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
+    return _global(s) + _layers(s)
+
+
+SPECS: dict[str, TinySpec] = {s.arch: s for s in [
+    TinySpec("llama", "RoPE, GQA", tensors=_llama_like),
+    TinySpec("mistral3", "RoPE, GQA (Mistral Small 3's text model)", tensors=_llama_like),
+    TinySpec("qwen2", "RoPE, GQA, Q/K/V biases",
+             tensors=lambda s: _global(s) + _layers(s, qkv_bias=True)),
+    TinySpec("qwen3", "RoPE, GQA, QK-norm",
+             tensors=lambda s: _global(s) + _layers(s, qk_norm="head")),
+    TinySpec("phi3", "RoPE, fused QKV and gate-up",
+             shape=Shape(n_head_kv=4),
+             tensors=lambda s: _global(s) + _layers(s, qkv="fused", ffn="fused")),
+    TinySpec("gemma2", "alternating sliding windows, attention and final logit soft-capping, post-norms",
+             keys={"attention.sliding_window": 32, "attn_logit_softcapping": 50.0,
+                   "final_logit_softcapping": 30.0},
+             tensors=lambda s: _global(s) + _layers(s, post_norms=True)),
+    TinySpec("gemma3", "5 sliding-window layers to 1 global, QK-norm, post-norms",
+             shape=Shape(n_layer=6),
+             keys={"attention.sliding_window": 32},
+             tensors=lambda s: _global(s) + _layers(s, qk_norm="head", post_norms=True)),
+    TinySpec("olmo2", "RoPE, QK-norm over all heads, post-norms only",
+             shape=Shape(n_head_kv=4),
+             tensors=lambda s: _global(s, output=True) + _layers(s, pre_norm=False, qk_norm="full",
+                                                                  post_norms=True)),
+    TinySpec("granite", "RoPE, GQA, embedding/residual/attention/logit scales",
+             keys={"logit_scale": 2.0, "embedding_scale": 1.5, "residual_scale": 0.5,
+                   "attention.scale": 0.2},
+             tensors=_llama_like),
+    TinySpec("starcoder2", "RoPE, GQA, LayerNorm, biases everywhere, plain MLP",
+             norm_eps="ln",
+             tensors=lambda s: _global(s, norm_bias=True) + _layers(s, qkv_bias=True, out_bias=True,
+                                                                    norm_bias=True, ffn="plain", ffn_bias=True)),
+    TinySpec("gpt2", "learned absolute positions (no RoPE), fused QKV, LayerNorm",
+             shape=Shape(n_head_kv=4), norm_eps="ln",
+             tensors=lambda s: _global(s, norm_bias=True, pos_embd=True)
+             + _layers(s, qkv="fused", qkv_bias=True, out_bias=True, norm_bias=True, ffn="plain", ffn_bias=True)),
+    TinySpec("bloom", "ALiBi positions (no RoPE), fused QKV, LayerNorm",
+             shape=Shape(n_head_kv=4), norm_eps="ln",
+             tensors=lambda s: _global(s, norm_bias=True, embd_norm=True)
+             + _layers(s, qkv="fused", qkv_bias=True, out_bias=True, norm_bias=True, ffn="plain", ffn_bias=True)),
+]}
+
+
+def _gguf():
+    import gguf
+
+    return gguf
+
+
+def _vocab_fields(path: Path) -> list[tuple[str, object, object, object]]:
+    """(key, value, type, array subtype) of every ``tokenizer.*`` field of a GGUF."""
+    gguf = _gguf()
+    r = gguf.GGUFReader(path)
+    out = []
+    for name, f in r.fields.items():
+        if not name.startswith("tokenizer."):
+            continue
+        vtype = f.types[0]
+        sub = f.types[1] if vtype == gguf.GGUFValueType.ARRAY and len(f.types) > 1 else None
+        out.append((name, f.contents(), vtype, sub))
+    return out
+
+
+def _n_vocab(fields: list[tuple[str, object, object, object]]) -> int:
+    for name, value, _, _ in fields:
+        if name == "tokenizer.ggml.tokens":
+            return len(value)  # type: ignore[arg-type]
+    raise EdgekvError("the vocabulary GGUF has no tokenizer.ggml.tokens")
+
+
+def make_tiny(arch: str, out_dir: str | Path, *, vocab_from: str | Path, seed: int = 0) -> Path:
+    """Write ``<out_dir>/tiny-<arch>.gguf`` (made again only when missing) and return its path."""
+    spec = SPECS.get(arch)
+    if spec is None:
+        raise EdgekvError(f"no tiny model for {arch!r}; one of: {', '.join(SPECS)}")
+    gguf = _gguf()
+    out = Path(out_dir) / f"tiny-{arch}.gguf"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    s = spec.shape
+    vocab = _vocab_fields(Path(vocab_from))
+    n_vocab = _n_vocab(vocab)
+    known = {gguf.TENSOR_NAMES[t].format(bid="{bid}") for t in gguf.MODEL_TENSORS[_arch_enum(arch)]}
+    w = gguf.GGUFWriter(str(out) + ".part", arch)
+    # no architecture in the name: llama.cpp keys vocabulary fixes on it ("phi3" wants Phi's tokens)
+    w.add_name("edgekv tiny model")
+    w.add_context_length(s.n_ctx_train)
+    w.add_embedding_length(s.n_embd)
+    w.add_block_count(s.n_layer)
+    w.add_feed_forward_length(s.n_ff)
+    w.add_head_count(s.n_head)
+    w.add_head_count_kv(s.n_head_kv)
+    w.add_key_length(s.head_dim)
+    w.add_value_length(s.head_dim)
+    w.add_rope_freq_base(10000.0)
+    if spec.norm_eps == "rms":
+        w.add_layer_norm_rms_eps(1e-6)
+    else:
+        w.add_layer_norm_eps(1e-5)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for k, v in spec.keys.items():
+        key = f"{arch}.{k}"
+        if isinstance(v, float):
+            w.add_float32(key, v)
+        else:
+            w.add_uint32(key, int(v))
+    for name, value, vtype, sub in vocab:
+        w.add_key_value(name, value, vtype, sub)
+    rng = np.random.default_rng([seed, *arch.encode()])
+    for name, ggml_shape in spec.tensors(s):
+        template = ".".join(["blk", "{bid}", *name.split(".")[2:-1]]) if name.startswith("blk.") else \
+            name.rsplit(".", 1)[0]
+        if template not in known:
+            raise EdgekvError(f"{arch}: gguf-py names no tensor {template!r} for this architecture "
+                              "(is the vendored gguf-py installed? rerun scripts/setup.sh)")
+        shape = tuple(n_vocab if d == -1 else d for d in reversed(ggml_shape))  # numpy order
+        if len(shape) == 1:  # norms at 1 (Gemma's too: its converter stores 1 + w), biases small
+            a = np.ones(shape, np.float32) if name.endswith("norm.weight") else \
+                rng.normal(0, 0.02, shape).astype(np.float32)
+        else:
+            a = rng.normal(0, 1 / np.sqrt(shape[-1]), shape).astype(np.float32)
+            if name == "token_embd.weight" or name == "output.weight":
+                a = a.astype(np.float16)  # the vocabulary dominates the file: half the bytes
+        w.add_tensor(name, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    Path(str(out) + ".part").replace(out)
+    return out
+
+
+def _arch_enum(arch: str):
+    gguf = _gguf()
+    for k, v in gguf.MODEL_ARCH_NAMES.items():
+        if v == arch:
+            return k
+    raise EdgekvError(f"gguf-py knows no architecture {arch!r} (is the vendored gguf-py installed?)")

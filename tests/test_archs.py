@@ -1,0 +1,207 @@
+"""The architecture matrix: a tiny random-weight model of each family the vendored
+llama.cpp loads (``edgekv/tinymodels.py``), run through what a user does with edgekv.
+
+Per family: it loads with the verdict ``edgekv info`` prints; a chat turn decodes;
+every method compresses it at ratio 0.5 on every engine it can use, and where both
+engines apply they leave byte-identical caches and predict the same next token;
+a session file saved and loaded continues identically; ``+rerotate`` runs where the
+keys carry RoPE and is refused with one line where they do not.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edgekv.archs import TESTED, verdict
+from edgekv.errors import EdgekvError
+from edgekv.gguf_info import read_model_info
+from edgekv.kvcache import native_available
+from edgekv.llama import Model, SamplerConfig
+from edgekv.methods import METHODS
+from edgekv.profiles import HeadProfile, save_profile
+from edgekv.session import Chat, Session
+from edgekv.tinymodels import SPECS, make_tiny
+
+TEXT = ("The lighthouse keeper wrote in her log every evening: the wind, the ships, the colour of "
+        "the sea and the names of the birds that rested on the rail. ") * 6
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiny-models")
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_dir, smollm2_path):
+    models: dict[str, Model] = {}
+
+    def get(arch: str) -> Model:
+        if arch not in models:
+            models[arch] = Model(make_tiny(arch, tiny_dir, vocab_from=smollm2_path))
+        return models[arch]
+
+    yield get
+    for m in models.values():
+        m.close()
+
+
+def test_the_matrix_covers_every_tested_family() -> None:
+    assert set(TESTED) <= set(SPECS)
+    assert {"llama", "mistral3", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "olmo2", "granite",
+            "starcoder2", "gpt2"} <= set(TESTED)
+
+
+def test_the_generator_names_what_the_vendored_gguf_py_names(tiny_dir, smollm2_path) -> None:
+    """Every tensor a tiny model holds is one llama.cpp's loader asked for: an unknown
+    name would load (llama.cpp ignores nothing silently; it fails on extra tensors),
+    so the file's tensor count is the spec's."""
+    import gguf
+
+    for arch in ("gpt2", "olmo2"):
+        path = make_tiny(arch, tiny_dir, vocab_from=smollm2_path)
+        info = read_model_info(path)
+        assert info.arch == arch and info.n_tensors == len(SPECS[arch].tensors(SPECS[arch].shape))
+        assert path.stat().st_size < 16 << 20
+        r = gguf.GGUFReader(path)
+        assert r.fields["general.architecture"].contents() == arch
+    with pytest.raises(EdgekvError, match="no tiny model for 'nope'"):
+        make_tiny("nope", tiny_dir, vocab_from=smollm2_path)
+
+
+@pytest.mark.parametrize("arch", TESTED)
+def test_each_family_loads_with_its_verdict_and_chats(tiny, arch: str) -> None:
+    model = tiny(arch)
+    v = verdict(model.info)
+    assert v.status == "supported", v.line()
+    spec = SPECS[arch]
+    assert (model.arch.n_layer, model.arch.n_head_kv) == (spec.shape.n_layer, spec.shape.n_head_kv)
+    assert model.info.positions == ("learned" if arch == "gpt2" else "rope")
+    assert model.info.is_swa_model == (arch in ("gemma2", "gemma3"))
+    with Session(model, method="knorm", budget=96, n_ctx=160, n_threads=2) as s:
+        chat = Chat(s, system="You keep a lighthouse.")
+        reply = "".join(chat.send(TEXT + "What did you see today?", max_tokens=8,
+                                  sampler=SamplerConfig(temperature=0)))
+        assert isinstance(reply, str)
+        assert s.stats.tokens_seen > 200 and s.stats.compressions >= 1  # it outgrew 160 cells
+        assert s.engine.n_cells <= 160
+
+
+def _engines(model: Model) -> list[str]:
+    if model.info.is_swa_model or not native_available():
+        return ["state"]
+    return ["state", "native"]
+
+
+def _profile(model: Model, path) -> str:
+    """A CompressKV head profile for a tiny model (seeded scores: calibrating random
+    weights would find no retrieval heads to rank)."""
+    info = model.info
+    layers = list(info.global_layers) if info.is_swa_model else list(range(info.n_layer))
+    rng = np.random.default_rng(0)
+    scores = rng.random((len(layers), info.n_head)).round(4).tolist()
+    return str(save_profile(HeadProfile(info.name, "", layers, scores, 1, 1), path))
+
+
+def _run_methods(model: Model, engine: str, profile: str) -> dict[str, object]:
+    """Per method: (state blob, token map, next token) after one compression at ratio 0.5
+    from the same prefill, or the one-line error that refused it."""
+    params: dict[str, dict[str, object]] = {"compresskv": {"profile": profile}}
+    more = model.tokenize(" And then the fog came in.", add_special=False)
+    out: dict[str, object] = {}
+    record = not model.info.attn_logit_softcap  # under soft-capping the engines refuse to record attention
+    with Session(model, method="full", n_ctx=512, engine=engine, n_threads=2, observe=64 * record,
+                 tally=record) as s:
+        assert s.engine.name == engine
+        s.feed_text(TEXT)
+        before = s.engine.n_cells
+        saved = s.save()
+        for name in METHODS:
+            if name in ("full", "context_shift"):
+                continue
+            s.restore(saved)
+            try:
+                s.use(name, ratio=0.5, **params.get(name, {}))
+                s.compress()
+            except EdgekvError as e:
+                out[name] = str(e)
+                continue
+            assert s.engine.n_cells <= before // 2 + 1, name
+            state = s.engine.save()
+            s.feed(more)  # decoding goes on over the compressed cache
+            out[name] = (state.blob, state.token_pos.copy(), int(np.argmax(s.logits())))
+    return out
+
+
+@pytest.mark.parametrize("arch", TESTED)
+def test_every_method_on_every_engine_leaves_the_same_cache(tiny, arch: str, tmp_path) -> None:
+    model = tiny(arch)
+    profile = _profile(model, tmp_path / "profile.json")
+    runs = {engine: _run_methods(model, engine, profile) for engine in _engines(model)}
+    state = runs["state"]
+    ran = [m for m, r in state.items() if isinstance(r, tuple)]
+    refused = {m: r for m, r in state.items() if isinstance(r, str)}
+    assert {"streaming_llm", "knorm", "random", "lagkv", "chelsea_nobias"} <= set(ran), refused
+    for m, why in refused.items():  # every refusal on the state engine has its reason
+        assert "\n" not in why
+        if model.info.attn_logit_softcap:
+            assert "soft-capping" in why or "needs" in why, (m, why)
+        else:
+            assert "needs" in why, (m, why)  # only the native engine's bias and merge ops
+    if "native" in runs:
+        native = runs["native"]
+        assert all(isinstance(r, tuple) for r in native.values()), native
+        for m in ran:
+            blob_s, tp_s, next_s = state[m]
+            blob_n, tp_n, next_n = native[m]
+            assert np.array_equal(tp_s, tp_n), m
+            assert blob_s == blob_n, f"{arch} {m}: the engines left different caches"
+            assert next_s == next_n, m
+
+
+@pytest.mark.parametrize("arch", TESTED)
+def test_session_files_and_rerotation(tiny, arch: str, tmp_path) -> None:
+    model = tiny(arch)
+    path = tmp_path / f"{arch}.ekv"
+    more = model.tokenize(" And then the fog came in.", add_special=False)
+    logits = []
+    for load in (False, True):
+        with Session(model, method="knorm", ratio=0.5, n_ctx=512, n_threads=2) as s:
+            if load:
+                s.load_file(path)
+            else:
+                s.feed_text(TEXT)
+                s.compress()
+                s.save_file(path)
+            s.feed(more)  # the same tokens after the saved cache, or after the same cache loaded
+            logits.append(s.logits().copy())
+    assert np.array_equal(logits[0], logits[1]), "a loaded session file continued differently"
+    rope = model.info.positions == "rope" and not model.info.is_swa_model
+    with Session(model, method="full", n_ctx=512, n_threads=2) as s:
+        s.feed_text(TEXT)
+        if rope:
+            s.use("streaming_llm+rerotate", ratio=0.5)
+            s.compress()
+            assert s.n_past == s.engine.n_cells  # renumbered: positions are consecutive again
+            s.feed(more)
+            assert np.isfinite(s.logits()).all()
+        else:
+            with pytest.raises(EdgekvError) as e:
+                s.use("streaming_llm+rerotate", ratio=0.5)
+            assert "\n" not in str(e.value)
+
+
+def test_edgekv_info_prints_each_familys_verdict(tiny_dir, smollm2_path) -> None:
+    from typer.testing import CliRunner
+
+    from edgekv.cli import app
+
+    for arch in SPECS:
+        path = make_tiny(arch, tiny_dir, vocab_from=smollm2_path)
+        res = CliRunner().invoke(app, ["info", str(path)])
+        assert res.exit_code == 0, res.output
+        line = next(x for x in res.output.splitlines() if x.startswith("edgekv "))
+        want = verdict(read_model_info(path))
+        assert line == f"edgekv      {want.line()}"
+        assert want.status == ("supported" if arch in TESTED else "unverified"), (arch, line)
+    assert "ALiBi" in verdict(read_model_info(make_tiny("bloom", tiny_dir, vocab_from=smollm2_path))).line()
