@@ -490,12 +490,18 @@ def _positions(arch: str, max_alibi_bias: Any, n_layer: int) -> str:
 
 
 def _kq_scale(arch: str, gguf_scale: Any, n_layer: int, n_embd: int, n_head: int, head_dim_k: int) -> float:
-    """The attention scale llama.cpp's graph for ``arch`` uses (src/models/*.cpp).
+    """The factor llama.cpp's attention applies to q.k, for the queries edgekv captures
+    (the graph's last tensor named ``Qcur-<layer>``; src/models/*.cpp).
 
     Gemma 3 27B (62 layers) scales by 1/sqrt(n_embd / n_head) instead of the head
     size; the Granite family reads ``attention.scale`` from the GGUF (other
-    architectures ignore the key, so edgekv does too).
+    architectures ignore the key, so edgekv does too). Phi-3 scales its queries by
+    1/sqrt(head size) before attention and names the scaled tensor ``Qcur`` again,
+    so the captured queries need no further scale (``tests/test_archs.py`` checks
+    every family's attention against a reference with this scale).
     """
+    if arch == "phi3":
+        return 1.0
     if arch == "gemma3" and n_layer == 62 and n_head:
         return 1.0 / math.sqrt(n_embd / n_head)
     if arch.startswith("granite") and isinstance(gguf_scale, (int, float)) and gguf_scale:
