@@ -17,8 +17,10 @@ Nothing made here is committed: tests and ``edgekv models tiny`` make them.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -113,6 +115,21 @@ def _layers(s: Shape, *, qkv: str = "split", qkv_bias: bool = False, out_bias: b
     return out
 
 
+def _mamba(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
+    """Mamba's blocks (src/models/mamba.cpp), with d_inner = 2 * n_embd, d_conv 4, d_state 16
+    and dt_rank 8 as the spec's keys say."""
+    e, di, dc, ds, dr = s.n_embd, 2 * s.n_embd, 4, 16, 8
+    out = _global(s)
+    for i in range(s.n_layer):
+        b = f"blk.{i}."
+        out += [(b + "attn_norm.weight", (e,)), (b + "ssm_in.weight", (e, 2 * di)),
+                (b + "ssm_conv1d.weight", (dc, di)), (b + "ssm_conv1d.bias", (di,)),
+                (b + "ssm_x.weight", (di, dr + 2 * ds)), (b + "ssm_dt.weight", (dr, di)),
+                (b + "ssm_dt.bias", (di,)), (b + "ssm_a", (ds, di)), (b + "ssm_d", (di,)),
+                (b + "ssm_out.weight", (di, e))]
+    return out
+
+
 def _llama_like(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
     return _global(s) + _layers(s)
 
@@ -151,6 +168,10 @@ SPECS: dict[str, TinySpec] = {s.arch: s for s in [
              shape=Shape(n_head_kv=4), norm_eps="ln",
              tensors=lambda s: _global(s, norm_bias=True, pos_embd=True)
              + _layers(s, qkv="fused", qkv_bias=True, out_bias=True, norm_bias=True, ffn="plain", ffn_bias=True)),
+    TinySpec("mamba", "no attention: a selective state space (recurrent state), refused",
+             shape=Shape(n_head=0, n_head_kv=0, n_ff=0),
+             keys={"ssm.conv_kernel": 4, "ssm.inner_size": 128, "ssm.state_size": 16, "ssm.time_step_rank": 8},
+             tensors=_mamba),
     TinySpec("bloom", "ALiBi positions (no RoPE), fused QKV, LayerNorm",
              shape=Shape(n_head_kv=4), norm_eps="ln",
              tensors=lambda s: _global(s, norm_bias=True, embd_norm=True)
@@ -164,8 +185,10 @@ def _gguf():
     return gguf
 
 
+@cache
 def _vocab_fields(path: Path) -> list[tuple[str, object, object, object]]:
-    """(key, value, type, array subtype) of every ``tokenizer.*`` field of a GGUF."""
+    """(key, value, type, array subtype) of every ``tokenizer.*`` field of a GGUF (read once
+    per process: gguf-py's reader takes seconds over a large vocabulary)."""
     gguf = _gguf()
     r = gguf.GGUFReader(path)
     out = []
@@ -208,9 +231,10 @@ def make_tiny(arch: str, out_dir: str | Path, *, vocab_from: str | Path, seed: i
     w.add_feed_forward_length(s.n_ff)
     w.add_head_count(s.n_head)
     w.add_head_count_kv(s.n_head_kv)
-    w.add_key_length(s.head_dim)
-    w.add_value_length(s.head_dim)
-    w.add_rope_freq_base(10000.0)
+    if s.n_head:
+        w.add_key_length(s.head_dim)
+        w.add_value_length(s.head_dim)
+        w.add_rope_freq_base(10000.0)
     if spec.norm_eps == "rms":
         w.add_layer_norm_rms_eps(1e-6)
     else:
@@ -226,8 +250,7 @@ def make_tiny(arch: str, out_dir: str | Path, *, vocab_from: str | Path, seed: i
         w.add_key_value(name, value, vtype, sub)
     rng = np.random.default_rng([seed, *arch.encode()])
     for name, ggml_shape in spec.tensors(s):
-        template = ".".join(["blk", "{bid}", *name.split(".")[2:-1]]) if name.startswith("blk.") else \
-            name.rsplit(".", 1)[0]
+        template = re.sub(r"^blk\.\d+\.", "blk.{bid}.", re.sub(r"\.(weight|bias)$", "", name))
         if template not in known:
             raise EdgekvError(f"{arch}: gguf-py names no tensor {template!r} for this architecture "
                               "(is the vendored gguf-py installed? rerun scripts/setup.sh)")

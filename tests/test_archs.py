@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from edgekv.archs import TESTED, verdict
-from edgekv.errors import EdgekvError
+from edgekv.errors import EdgekvError, ModelError
 from edgekv.gguf_info import read_model_info
 from edgekv.kvcache import native_available
 from edgekv.llama import Model, SamplerConfig
@@ -203,7 +203,8 @@ def test_edgekv_info_prints_each_familys_verdict(tiny_dir, smollm2_path) -> None
         line = next(x for x in res.output.splitlines() if x.startswith("edgekv "))
         want = verdict(read_model_info(path))
         assert line == f"edgekv      {want.line()}"
-        assert want.status == ("supported" if arch in TESTED else "unverified"), (arch, line)
+        assert want.status == ("supported" if arch in TESTED else "refused" if arch == "mamba" else "unverified"), \
+            (arch, line)
     assert "ALiBi" in verdict(read_model_info(make_tiny("bloom", tiny_dir, vocab_from=smollm2_path))).line()
 
 
@@ -276,3 +277,14 @@ def test_alibi_is_exact_only_when_every_head_keeps_the_same_tokens(tiny) -> None
     model = tiny("bloom")
     assert all(_exact(*r) for r in _compacted_attention(model, per_head=False))
     assert not any(_exact(*r) for r in _compacted_attention(model, per_head=True))
+
+
+def test_recurrent_models_are_refused_in_one_line(tiny_dir, smollm2_path) -> None:
+    """Mamba keeps a recurrent state, not a per-token cache: edgekv refuses it at load and
+    says why, and ``edgekv info`` says so from the header without loading it."""
+    path = make_tiny("mamba", tiny_dir, vocab_from=smollm2_path)
+    v = verdict(read_model_info(path))
+    assert v.status == "refused" and "recurrent state" in v.line()
+    with pytest.raises(ModelError) as e:
+        Model(path)
+    assert "recurrent state" in str(e.value) and "\n" not in str(e.value)
