@@ -16,7 +16,7 @@ from .gguf_info import ModelInfo
 # the families the architecture matrix runs (tests/test_archs.py): a tiny model of each
 # passes every method on both engines, session files, +rerotate where RoPE allows it
 TESTED = ("llama", "mistral3", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "olmo2", "granite",
-          "starcoder2", "gpt2")
+          "starcoder2", "gpt2", "smollm3")
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,9 @@ def verdict(info: ModelInfo) -> Verdict:
                      "soft-capping")
     if info.positions != "rope":
         notes.append("+rerotate is refused: keys carry no rotation to renumber")
+    elif info.nope_layers:
+        positions += f" (none on layers {', '.join(map(str, info.nope_layers))})"
+        notes.append("+rerotate leaves the keys of the layers without RoPE as they are")
     if info.kv_lora_rank:
         return Verdict("unverified", attention, positions, layout,
                        ("MLA: every head shares each layer's one latent, so per-head selection does not "

@@ -346,6 +346,7 @@ class ModelInfo:
     positions: str = "rope"  # how attention knows positions: "rope", "learned" (embeddings) or "alibi"
     kv_lora_rank: int = 0  # MLA (DeepSeek-V2 style): the one latent each layer caches; 0: none
     recurrent: bool = False  # keeps recurrent state (SSM, RWKV, short convolutions), alone or beside attention
+    nope_layers: tuple[int, ...] = ()  # layers whose keys llama.cpp does not rotate (SmolLM3, Llama 4)
 
     @property
     def is_swa_model(self) -> bool:
@@ -467,7 +468,18 @@ def read_model_info(path: str | os.PathLike[str]) -> ModelInfo:
         positions=_positions(arch, key("attention.max_alibi_bias", 0.0), n_layer),
         kv_lora_rank=int(key("attention.kv_lora_rank", 0) or 0),
         recurrent=any(k.startswith(tuple(f"{arch}.{g}" for g in _RECURRENT_KEYS)) for k in m),
+        nope_layers=_nope_layers(arch, n_layer, key("attention.sliding_window")),
     )
+
+
+def _nope_layers(arch: str, n_layer: int, sliding_window: Any) -> tuple[int, ...]:
+    """The layers ``arch``'s graph builds without RoPE: every ``step``-th one (llama.cpp's
+    ``n_no_rope_layer_step``, src/models/smollm3.cpp and llama4.cpp; Llama 4 without chunked
+    attention sets the step to the layer count, which leaves its last layer unrotated)."""
+    step = 4 if arch == "smollm3" else 0
+    if arch == "llama4":
+        step = n_layer if sliding_window == 0 else 4
+    return tuple(il for il in range(n_layer) if step and (il + 1) % step == 0)
 
 
 # Architectures whose attention adds ALiBi's linear bias instead of rotating q and k

@@ -156,6 +156,7 @@ SPECS: dict[str, TinySpec] = {s.arch: s for s in [
              shape=Shape(n_head_kv=4),
              tensors=lambda s: _global(s, output=True) + _layers(s, pre_norm=False, qk_norm="full",
                                                                   post_norms=True)),
+    TinySpec("smollm3", "RoPE on 3 of every 4 layers (NoPE on the 4th), GQA", tensors=_llama_like),
     TinySpec("granite", "RoPE, GQA, embedding/residual/attention/logit scales",
              keys={"logit_scale": 2.0, "embedding_scale": 1.5, "residual_scale": 0.5,
                    "attention.scale": 0.2},

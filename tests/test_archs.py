@@ -288,3 +288,30 @@ def test_recurrent_models_are_refused_in_one_line(tiny_dir, smollm2_path) -> Non
     with pytest.raises(ModelError) as e:
         Model(path)
     assert "recurrent state" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("engine", ["state", "native"])
+def test_rerotation_leaves_the_layers_without_rope_alone(tiny, engine: str) -> None:
+    """SmolLM3 builds every 4th layer without RoPE: renumbering must move the keys of the
+    other layers by their distance and leave those layers' keys exactly as they were."""
+    from _helpers import prefill
+
+    from edgekv.kvcache import make_engine
+    from edgekv.llama import Context
+
+    model = tiny("smollm3")
+    assert model.info.nope_layers == (3,)
+    ctx = Context(model, n_ctx=256, n_batch=64, n_threads=2)
+    eng = make_engine(ctx, engine)
+    prefill(eng, model.tokenize(TEXT, add_special=False)[:160], batch=64)
+    kept = np.r_[0:4, 100:160]  # StreamingLLM's sinks and recent window: a gap of 96 positions
+    eng.compact(np.broadcast_to(kept, (model.info.n_layer, model.info.n_head_kv, kept.size)).copy())
+    before = eng.snapshot()
+    k_before = [before.keys(il).copy() for il in range(model.info.n_layer)]
+    assert eng.renumber() == -96
+    after = eng.snapshot()
+    for il in range(model.info.n_layer):
+        same = np.array_equal(after.keys(il), k_before[il])
+        assert same == (il == 3), il  # only the NoPE layer is untouched
+        assert np.array_equal(after.keys(il)[:4], k_before[il][:4])  # the sinks did not move
+    ctx.close()

@@ -154,7 +154,7 @@ class StateEngine:
 
     def renumber(self) -> int:
         """Give the cells the positions 0..n-1 and re-rotate every (layer, head)'s keys by
-        its own distance, so each head sees the tokens it kept as one contiguous run
+        its own distance (layers the model builds without RoPE keep theirs), so each head sees the tokens it kept as one contiguous run
         (StreamingLLM's renumbering, exact for a per-head cache). Returns the position
         delta for the next token. Methods still see original token positions; the
         observation window is cleared (its queries carry the old rotation)."""
@@ -171,8 +171,9 @@ class StateEngine:
         counts = self.tokens.full_counts(n_layer, n)
         delta = np.empty((n_layer, H, n), np.int64)
         delta[..., order] = np.arange(n) - self.tokens.full_rot(pos, n_layer)  # cell order, as the blob holds them
+        nope = self.ctx.model.info.nope_layers  # keys without RoPE carry no position to move
         for il, ld in enumerate(sec.layers):
-            if not delta[il].any():
+            if il in nope or not delta[il].any():
                 continue
             raw = np.array(ld.k).reshape(n, H, -1)
             for h in range(H):  # only the heads that move: a re-quantisation is not free
