@@ -16,7 +16,7 @@ from .gguf_info import ModelInfo
 # the families the architecture matrix runs (tests/test_archs.py): a tiny model of each
 # passes every method on both engines, session files, +rerotate where RoPE allows it
 TESTED = ("llama", "mistral3", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "olmo2", "granite",
-          "starcoder2", "gpt2", "smollm3")
+          "starcoder2", "gpt2", "smollm3", "gpt-oss")
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,9 @@ def verdict(info: ModelInfo) -> Verdict:
     if info.attn_logit_softcap:
         notes.append("attention-scored methods are refused: their scores would not model the logit "
                      "soft-capping")
+    if info.attn_sinks:
+        notes.append("attention-scored methods are refused: their scores would leave out the learned "
+                     "attention sinks")
     if info.positions != "rope":
         notes.append("+rerotate is refused: keys carry no rotation to renumber")
     elif info.nope_layers:

@@ -347,6 +347,7 @@ class ModelInfo:
     kv_lora_rank: int = 0  # MLA (DeepSeek-V2 style): the one latent each layer caches; 0: none
     recurrent: bool = False  # keeps recurrent state (SSM, RWKV, short convolutions), alone or beside attention
     nope_layers: tuple[int, ...] = ()  # layers whose keys llama.cpp does not rotate (SmolLM3, Llama 4)
+    attn_sinks: bool = False  # learned per-head sink logits in every softmax (gpt-oss)
 
     @property
     def is_swa_model(self) -> bool:
@@ -469,6 +470,7 @@ def read_model_info(path: str | os.PathLike[str]) -> ModelInfo:
         kv_lora_rank=int(key("attention.kv_lora_rank", 0) or 0),
         recurrent=any(k.startswith(tuple(f"{arch}.{g}" for g in _RECURRENT_KEYS)) for k in m),
         nope_layers=_nope_layers(arch, n_layer, key("attention.sliding_window")),
+        attn_sinks=any(t.name.endswith(".attn_sinks.weight") for t in h.tensors),
     )
 
 

@@ -130,6 +130,25 @@ def _mamba(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
+def _gpt_oss(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
+    """gpt-oss (src/models/openai-moe.cpp): learned attention sinks, biases, 4 experts
+    of ``n_ff`` each."""
+    e, q, kv, f, x = s.n_embd, s.n_head * s.head_dim, s.n_head_kv * s.head_dim, s.n_ff, 4
+    out = _global(s, output=True)
+    for i in range(s.n_layer):
+        b = f"blk.{i}."
+        out += [(b + "attn_norm.weight", (e,)), (b + "post_attention_norm.weight", (e,)),
+                (b + "attn_q.weight", (e, q)), (b + "attn_k.weight", (e, kv)), (b + "attn_v.weight", (e, kv)),
+                (b + "attn_q.bias", (q,)), (b + "attn_k.bias", (kv,)), (b + "attn_v.bias", (kv,)),
+                (b + "attn_output.weight", (q, e)), (b + "attn_output.bias", (e,)),
+                (b + "attn_sinks.weight", (s.n_head,)),
+                (b + "ffn_gate_inp.weight", (e, x)), (b + "ffn_gate_inp.bias", (x,)),
+                (b + "ffn_gate_exps.weight", (e, f, x)), (b + "ffn_gate_exps.bias", (f, x)),
+                (b + "ffn_up_exps.weight", (e, f, x)), (b + "ffn_up_exps.bias", (f, x)),
+                (b + "ffn_down_exps.weight", (f, e, x)), (b + "ffn_down_exps.bias", (e, x))]
+    return out
+
+
 def _llama_like(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
     return _global(s) + _layers(s)
 
@@ -169,6 +188,10 @@ SPECS: dict[str, TinySpec] = {s.arch: s for s in [
              shape=Shape(n_head_kv=4), norm_eps="ln",
              tensors=lambda s: _global(s, norm_bias=True, pos_embd=True)
              + _layers(s, qkv="fused", qkv_bias=True, out_bias=True, norm_bias=True, ffn="plain", ffn_bias=True)),
+    TinySpec("gpt-oss", "learned attention sinks, alternating sliding windows, mixture of experts",
+             keys={"attention.sliding_window": 32, "expert_count": 4, "expert_used_count": 2,
+                   "expert_feed_forward_length": 128},
+             tensors=_gpt_oss),
     TinySpec("mamba", "no attention: a selective state space (recurrent state), refused",
              shape=Shape(n_head=0, n_head_kv=0, n_ff=0),
              keys={"ssm.conv_kernel": 4, "ssm.inner_size": 128, "ssm.state_size": 16, "ssm.time_step_rank": 8},
@@ -256,7 +279,9 @@ def make_tiny(arch: str, out_dir: str | Path, *, vocab_from: str | Path, seed: i
             raise EdgekvError(f"{arch}: gguf-py names no tensor {template!r} for this architecture "
                               "(is the vendored gguf-py installed? rerun scripts/setup.sh)")
         shape = tuple(n_vocab if d == -1 else d for d in reversed(ggml_shape))  # numpy order
-        if len(shape) == 1:  # norms at 1 (Gemma's too: its converter stores 1 + w), biases small
+        if name.endswith("attn_sinks.weight"):  # a sink logit per head, in the range of the real ones
+            a = rng.normal(1.0, 1.0, shape).astype(np.float32)
+        elif len(shape) == 1:  # norms at 1 (Gemma's too: its converter stores 1 + w), biases small
             a = np.ones(shape, np.float32) if name.endswith("norm.weight") else \
                 rng.normal(0, 0.02, shape).astype(np.float32)
         else:

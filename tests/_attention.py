@@ -7,14 +7,15 @@ import numpy as np
 
 def reference_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.ndarray | None,
                         q_pos: np.ndarray, k_pos: np.ndarray, scale: float, *, softcap: float = 0.0,
-                        alibi: np.ndarray | None = None) -> np.ndarray:
+                        alibi: np.ndarray | None = None, sinks: np.ndarray | None = None) -> np.ndarray:
     """float64 attention per query head: q [n_q, n_head, d], k/v [n, H, d], bias [H, n] or None.
 
     Query head h reads KV head h // (n_head / H) (GQA); a query sees the cells
     at or before its position. ``k_pos`` is [n], or [H, n] where each KV head's
     cells hold tokens of their own positions (a per-head compaction). ``softcap``:
     logits become softcap * tanh(logits / softcap) (Gemma 2); ``alibi``: one slope
-    per query head, adding slope * (k_pos - q_pos). Returns [n_q, n_head, d_v]."""
+    per query head, adding slope * (k_pos - q_pos); ``sinks``: one learned logit per query
+    head that joins every softmax's denominator (gpt-oss). Returns [n_q, n_head, d_v]."""
     n_q, n_head, _ = q.shape
     H = k.shape[1]
     group = n_head // H
@@ -31,8 +32,11 @@ def reference_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.nd
         if bias is not None:
             logits = logits + bias[h][None, :]
         logits[~visible] = -np.inf
-        p = np.exp(logits - logits.max(axis=1, keepdims=True))
-        p /= p.sum(axis=1, keepdims=True)
+        top = logits.max(axis=1, keepdims=True)
+        if sinks is not None:
+            top = np.maximum(top, sinks[qh])
+        p = np.exp(logits - top)
+        p /= p.sum(axis=1, keepdims=True) + (np.exp(sinks[qh] - top) if sinks is not None else 0.0)
         out[:, qh] = p @ v[:, h].astype(np.float64)
     return out
 

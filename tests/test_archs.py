@@ -77,7 +77,7 @@ def test_each_family_loads_with_its_verdict_and_chats(tiny, arch: str) -> None:
     spec = SPECS[arch]
     assert (model.arch.n_layer, model.arch.n_head_kv) == (spec.shape.n_layer, spec.shape.n_head_kv)
     assert model.info.positions == ("learned" if arch == "gpt2" else "rope")
-    assert model.info.is_swa_model == (arch in ("gemma2", "gemma3"))
+    assert model.info.is_swa_model == (arch in ("gemma2", "gemma3", "gpt-oss"))
     with Session(model, method="knorm", budget=96, n_ctx=160, n_threads=2) as s:
         chat = Chat(s, system="You keep a lighthouse.")
         reply = "".join(chat.send(TEXT + "What did you see today?", max_tokens=8,
@@ -109,7 +109,7 @@ def _run_methods(model: Model, engine: str, profile: str) -> dict[str, object]:
     params: dict[str, dict[str, object]] = {"compresskv": {"profile": profile}}
     more = model.tokenize(" And then the fog came in.", add_special=False)
     out: dict[str, object] = {}
-    record = not model.info.attn_logit_softcap  # under soft-capping the engines refuse to record attention
+    record = not (model.info.attn_logit_softcap or model.info.attn_sinks)  # else the engines refuse to record
     with Session(model, method="full", n_ctx=512, engine=engine, n_threads=2, observe=64 * record,
                  tally=record) as s:
         assert s.engine.name == engine
@@ -144,8 +144,8 @@ def test_every_method_on_every_engine_leaves_the_same_cache(tiny, arch: str, tmp
     assert {"streaming_llm", "knorm", "random", "lagkv", "chelsea_nobias"} <= set(ran), refused
     for m, why in refused.items():  # every refusal on the state engine has its reason
         assert "\n" not in why
-        if model.info.attn_logit_softcap:
-            assert "soft-capping" in why or "needs" in why, (m, why)
+        if model.info.attn_logit_softcap or model.info.attn_sinks:
+            assert "soft-capping" in why or "sinks" in why or "needs" in why, (m, why)
         else:
             assert "needs" in why, (m, why)  # only the native engine's bias and merge ops
     if "native" in runs:
@@ -239,15 +239,22 @@ def _compacted_attention(model: Model, per_head: bool) -> list[tuple[np.ndarray,
     snap = eng.snapshot()
     q_pos = np.arange(120, 124)
     alibi = alibi_slopes(info.n_head, 8.0) if info.positions == "alibi" else None
+    sinks = None
+    if info.attn_sinks:
+        import gguf
+
+        tensors = {t.name: np.array(t.data) for t in gguf.GGUFReader(model.path).tensors}
     perm = rng.permutation(snap.n_cells)
     out = []
     for row, il in enumerate(layers):
         q, got = captured_attention(ctx, il)
         k, v, kpos = snap.keys(row), snap.values(row), snap.token_pos[row]
+        if info.attn_sinks:
+            sinks = tensors[f"blk.{il}.attn_sinks.weight"].astype(np.float64)
         ref = reference_attention(q, k, v, None, q_pos, kpos, info.kq_scale, softcap=info.attn_logit_softcap,
-                                  alibi=alibi)
+                                  alibi=alibi, sinks=sinks)
         other = reference_attention(q, k, v[perm], None, q_pos, kpos, info.kq_scale,
-                                    softcap=info.attn_logit_softcap, alibi=alibi)
+                                    softcap=info.attn_logit_softcap, alibi=alibi, sinks=sinks)
         out.append((got, ref, other))
     ctx.close()
     return out

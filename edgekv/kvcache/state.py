@@ -112,9 +112,13 @@ class StateEngine:
         if "queries" not in self.capabilities:
             raise EdgekvError("this context has no tensor capture to record queries "
                               "(edgekv/_edgekv_capture*.so is not built: run native/build_native.py)")
-        if self.ctx.model.info.attn_logit_softcap:
+        info = self.ctx.model.info
+        if info.attn_logit_softcap:
             raise EdgekvError("attention-scored methods do not model logit soft-capping "
-                              f"({self.ctx.model.info.arch}); use an attention-free method")
+                              f"({info.arch}); use an attention-free method")
+        if info.attn_sinks:
+            raise EdgekvError("attention-scored methods do not model learned attention sinks "
+                              f"({info.arch}); use an attention-free method")
         if self.window is None:
             arch = self.ctx.model.arch
             self.ctx.capture.want("Qcur", self.layers)
