@@ -16,7 +16,7 @@ from .gguf_info import ModelInfo
 # the families the architecture matrix runs (tests/test_archs.py): a tiny model of each
 # passes every method on both engines, session files, +rerotate where RoPE allows it
 TESTED = ("llama", "mistral3", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "olmo2", "granite",
-          "starcoder2", "gpt2", "smollm3", "gpt-oss")
+          "starcoder2", "gpt2", "smollm3", "gpt-oss", "llama4")
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,8 @@ class Verdict:
 
 def verdict(info: ModelInfo) -> Verdict:
     """The verdict for the model ``info`` describes."""
-    attention = (f"sliding window {info.sliding_window} on {sum(info.swa_layers)} of {info.n_layer} layers"
+    kind = "chunked attention (chunks of" if info.arch == "llama4" else "sliding window ("
+    attention = (f"{kind} {info.sliding_window}) on {sum(info.swa_layers)} of {info.n_layer} layers"
                  if info.is_swa_model else "full")
     positions = {"rope": "RoPE", "learned": "learned (absolute embeddings)", "alibi": "ALiBi"}[info.positions]
     layout = (f"one {info.kv_lora_rank}-wide latent per layer (MLA)" if info.kv_lora_rank

@@ -68,11 +68,14 @@ _DEFAULT_SWA_PATTERN: dict[str, tuple[int, bool]] = {
     "gpt-oss": (2, False),
     "exaone4": (4, False),
     "olmo2": (4, False),
+    "llama4": (4, False),  # chunked attention on 3 layers of 4, full on the 4th
 }
 
 # gemma2 models always use a sliding window; llama.cpp assumes 4096 when the
-# GGUF omits the key (vendor/llama.cpp/src/models/gemma2.cpp).
-_DEFAULT_SLIDING_WINDOW: dict[str, int] = {"gemma2": 4096}
+# GGUF omits the key (vendor/llama.cpp/src/models/gemma2.cpp). Llama 4 attends in
+# chunks of 8192 tokens on its chunked layers unless the key is 0 (llama4.cpp); to the
+# cache that is a second, small cache as for a window, so edgekv treats it alike.
+_DEFAULT_SLIDING_WINDOW: dict[str, int] = {"gemma2": 4096, "llama4": 8192}
 
 # Cache types llama.cpp accepts for --cache-type-k / --cache-type-v (common/arg.cpp
 # kv_cache_types), with their ids and byte sizes: one table, in ggml_types.
@@ -408,6 +411,8 @@ def read_model_info(path: str | os.PathLike[str]) -> ModelInfo:
     head_dim_v_swa = int(key("attention.value_length_swa", head_dim_v))
 
     sliding_window = int(key("attention.sliding_window", _DEFAULT_SLIDING_WINDOW.get(arch, 0)))
+    if arch == "llama4" and sliding_window:  # llama.cpp chunks by 8192 whatever the key says, unless it is 0
+        sliding_window = _DEFAULT_SLIDING_WINDOW[arch]
     swa_layers: tuple[bool, ...] = (False,) * n_layer
     source = "none"
     if sliding_window > 0:

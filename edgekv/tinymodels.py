@@ -149,6 +149,28 @@ def _gpt_oss(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
+def _llama4(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
+    """Llama 4 (src/models/llama4.cpp): dense and mixture-of-experts layers interleaved
+    (every 2nd, with a shared expert), 4 experts of ``n_ff`` each."""
+    e, f, x = s.n_embd, s.n_ff, 4
+    out = _global(s)
+    for i, layer in enumerate(_chunks(_layers(s), s.n_layer)):
+        if i % 2 == 1:  # interleave_moe_layer_step 2: layers 1, 3, ... route to experts
+            b = f"blk.{i}."
+            layer = [t for t in layer if not t[0].startswith((b + "ffn_gate.", b + "ffn_up.", b + "ffn_down."))]
+            layer += [(b + "ffn_gate_inp.weight", (e, x)), (b + "ffn_gate_exps.weight", (e, f, x)),
+                      (b + "ffn_up_exps.weight", (e, f, x)), (b + "ffn_down_exps.weight", (f, e, x)),
+                      (b + "ffn_gate_shexp.weight", (e, f)), (b + "ffn_up_shexp.weight", (e, f)),
+                      (b + "ffn_down_shexp.weight", (f, e))]
+        out += layer
+    return out
+
+
+def _chunks(tensors: list[tuple[str, tuple[int, ...]]], n_layer: int) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """Per-layer tensors grouped by layer."""
+    return [[t for t in tensors if t[0].startswith(f"blk.{i}.")] for i in range(n_layer)]
+
+
 def _llama_like(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
     return _global(s) + _layers(s)
 
@@ -192,6 +214,10 @@ SPECS: dict[str, TinySpec] = {s.arch: s for s in [
              keys={"attention.sliding_window": 32, "expert_count": 4, "expert_used_count": 2,
                    "expert_feed_forward_length": 128},
              tensors=_gpt_oss),
+    TinySpec("llama4", "chunked attention on 3 of every 4 layers, NoPE on the 4th, experts",
+             keys={"expert_count": 4, "expert_used_count": 1, "interleave_moe_layer_step": 2,
+                   "expert_feed_forward_length": 128},
+             tensors=_llama4),
     TinySpec("mamba", "no attention: a selective state space (recurrent state), refused",
              shape=Shape(n_head=0, n_head_kv=0, n_ff=0),
              keys={"ssm.conv_kernel": 4, "ssm.inner_size": 128, "ssm.state_size": 16, "ssm.time_step_rank": 8},

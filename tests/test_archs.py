@@ -77,7 +77,7 @@ def test_each_family_loads_with_its_verdict_and_chats(tiny, arch: str) -> None:
     spec = SPECS[arch]
     assert (model.arch.n_layer, model.arch.n_head_kv) == (spec.shape.n_layer, spec.shape.n_head_kv)
     assert model.info.positions == ("learned" if arch == "gpt2" else "rope")
-    assert model.info.is_swa_model == (arch in ("gemma2", "gemma3", "gpt-oss"))
+    assert model.info.is_swa_model == (arch in ("gemma2", "gemma3", "gpt-oss", "llama4"))
     with Session(model, method="knorm", budget=96, n_ctx=160, n_threads=2) as s:
         chat = Chat(s, system="You keep a lighthouse.")
         reply = "".join(chat.send(TEXT + "What did you see today?", max_tokens=8,
