@@ -19,6 +19,10 @@ TESTED = ("llama", "mistral3", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "ol
           "starcoder2", "gpt2", "smollm3", "gpt-oss", "llama4")
 
 
+MLA_REFUSAL = ("multi-head latent attention caches one latent per layer with V a view of K, and llama.cpp's "
+               "state of that cache holds no V, which edgekv's engines cannot parse or compact yet")
+
+
 @dataclass(frozen=True)
 class Verdict:
     status: str  # "supported", "refused" or "unverified"
@@ -37,7 +41,7 @@ def verdict(info: ModelInfo) -> Verdict:
     attention = (f"{kind} {info.sliding_window}) on {sum(info.swa_layers)} of {info.n_layer} layers"
                  if info.is_swa_model else "full")
     positions = {"rope": "RoPE", "learned": "learned (absolute embeddings)", "alibi": "ALiBi"}[info.positions]
-    layout = (f"one {info.kv_lora_rank}-wide latent per layer (MLA)" if info.kv_lora_rank
+    layout = (f"one {info.kv_lora_rank}-wide latent per layer for all heads, V a view of it (MLA)" if info.mla
               else f"K and V per KV head ({info.n_head_kv} KV heads of {info.n_head})")
     if info.recurrent:
         return Verdict("refused", attention, positions, "recurrent state" + (" beside attention" if info.n_head else ""),
@@ -58,10 +62,8 @@ def verdict(info: ModelInfo) -> Verdict:
     elif info.nope_layers:
         positions += f" (none on layers {', '.join(map(str, info.nope_layers))})"
         notes.append("+rerotate leaves the keys of the layers without RoPE as they are")
-    if info.kv_lora_rank:
-        return Verdict("unverified", attention, positions, layout,
-                       ("MLA: every head shares each layer's one latent, so per-head selection does not "
-                        "apply; not checked by the architecture matrix", *notes))
+    if info.mla:
+        return Verdict("refused", attention, positions, layout, (MLA_REFUSAL,))
     if info.positions == "alibi":
         return Verdict("unverified", attention, positions, layout,
                        ("ALiBi: a per-head compaction leaves a cell one position for tokens of several "

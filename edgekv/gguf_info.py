@@ -347,7 +347,8 @@ class ModelInfo:
     kq_scale: float = 0.0
     attn_logit_softcap: float = 0.0  # Gemma 2's tanh soft-capping of the logits; 0: none
     positions: str = "rope"  # how attention knows positions: "rope", "learned" (embeddings) or "alibi"
-    kv_lora_rank: int = 0  # MLA (DeepSeek-V2 style): the one latent each layer caches; 0: none
+    kv_lora_rank: int = 0  # DeepSeek-V2 style low-rank KV: the latent's width; 0: none
+    mla: bool = False  # llama.cpp caches that latent itself, one per layer, V a view of K (MLA)
     recurrent: bool = False  # keeps recurrent state (SSM, RWKV, short convolutions), alone or beside attention
     nope_layers: tuple[int, ...] = ()  # layers whose keys llama.cpp does not rotate (SmolLM3, Llama 4)
     attn_sinks: bool = False  # learned per-head sink logits in every softmax (gpt-oss)
@@ -473,6 +474,7 @@ def read_model_info(path: str | os.PathLike[str]) -> ModelInfo:
         attn_logit_softcap=float(key("attn_logit_softcapping", 0.0) or 0.0),
         positions=_positions(arch, key("attention.max_alibi_bias", 0.0), n_layer),
         kv_lora_rank=int(key("attention.kv_lora_rank", 0) or 0),
+        mla=bool(key("attention.key_length_mla", 0) and key("attention.value_length_mla", 0)),
         recurrent=any(k.startswith(tuple(f"{arch}.{g}" for g in _RECURRENT_KEYS)) for k in m),
         nope_layers=_nope_layers(arch, n_layer, key("attention.sliding_window")),
         attn_sinks=any(t.name.endswith(".attn_sinks.weight") for t in h.tensors),

@@ -202,6 +202,10 @@ class Model(_Owned):
             )
         if self.arch.rope_type in (8, 24, 40):  # M-RoPE / vision: cells carry 2D positions
             raise ModelError(f"{self.path.name}: M-RoPE ({self.arch.name}) KV caches are not supported yet")
+        if self.info.mla:
+            from .archs import MLA_REFUSAL
+
+            raise ModelError(f"{self.path.name}: {self.arch.name}: {MLA_REFUSAL}")
 
     @cached_property
     def info(self) -> ModelInfo:

@@ -171,6 +171,22 @@ def _chunks(tensors: list[tuple[str, tuple[int, ...]]], n_layer: int) -> list[li
     return [[t for t in tensors if t[0].startswith(f"blk.{i}.")] for i in range(n_layer)]
 
 
+def _deepseek2(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
+    """DeepSeek-V2's multi-head latent attention (src/models/deepseek2.cpp): each layer caches
+    one 32-wide latent plus 16 RoPE channels for all heads; dense feed-forward layers."""
+    e, h, rank, nope, rope, v = s.n_embd, s.n_head, 32, 16, 16, 16
+    out = _global(s)
+    for i in range(s.n_layer):
+        b = f"blk.{i}."
+        out += [(b + "attn_norm.weight", (e,)), (b + "attn_kv_a_norm.weight", (rank,)),
+                (b + "attn_q.weight", (e, h * (nope + rope))), (b + "attn_kv_a_mqa.weight", (e, rank + rope)),
+                (b + "attn_k_b.weight", (nope, rank, h)), (b + "attn_v_b.weight", (rank, v, h)),
+                (b + "attn_output.weight", (h * v, e)), (b + "ffn_norm.weight", (e,)),
+                (b + "ffn_gate.weight", (e, s.n_ff)), (b + "ffn_up.weight", (e, s.n_ff)),
+                (b + "ffn_down.weight", (s.n_ff, e))]
+    return out
+
+
 def _llama_like(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
     return _global(s) + _layers(s)
 
@@ -218,6 +234,13 @@ SPECS: dict[str, TinySpec] = {s.arch: s for s in [
              keys={"expert_count": 4, "expert_used_count": 1, "interleave_moe_layer_step": 2,
                    "expert_feed_forward_length": 128},
              tensors=_llama4),
+    TinySpec("deepseek2", "multi-head latent attention (MLA): one latent per layer for all heads",
+             shape=Shape(n_head_kv=1),
+             keys={"attention.key_length": 48, "attention.value_length": 32, "attention.q_lora_rank": 0,
+                   "attention.kv_lora_rank": 32, "attention.key_length_mla": 32, "attention.value_length_mla": 16,
+                   "rope.dimension_count": 16, "leading_dense_block_count": 4, "expert_feed_forward_length": 128,
+                   "expert_shared_count": 0},
+             tensors=_deepseek2),
     TinySpec("mamba", "no attention: a selective state space (recurrent state), refused",
              shape=Shape(n_head=0, n_head_kv=0, n_ff=0),
              keys={"ssm.conv_kernel": 4, "ssm.inner_size": 128, "ssm.state_size": 16, "ssm.time_step_rank": 8},
@@ -275,27 +298,23 @@ def make_tiny(arch: str, out_dir: str | Path, *, vocab_from: str | Path, seed: i
     w = gguf.GGUFWriter(str(out) + ".part", arch)
     # no architecture in the name: llama.cpp keys vocabulary fixes on it ("phi3" wants Phi's tokens)
     w.add_name("edgekv tiny model")
-    w.add_context_length(s.n_ctx_train)
-    w.add_embedding_length(s.n_embd)
-    w.add_block_count(s.n_layer)
-    w.add_feed_forward_length(s.n_ff)
-    w.add_head_count(s.n_head)
-    w.add_head_count_kv(s.n_head_kv)
+    keys: dict[str, object] = {"context_length": s.n_ctx_train, "embedding_length": s.n_embd,
+                               "block_count": s.n_layer, "feed_forward_length": s.n_ff,
+                               "attention.head_count": s.n_head, "attention.head_count_kv": s.n_head_kv}
     if s.n_head:
-        w.add_key_length(s.head_dim)
-        w.add_value_length(s.head_dim)
-        w.add_rope_freq_base(10000.0)
+        keys |= {"attention.key_length": s.head_dim, "attention.value_length": s.head_dim,
+                 "rope.freq_base": 10000.0}
     if spec.norm_eps == "rms":
-        w.add_layer_norm_rms_eps(1e-6)
+        keys["attention.layer_norm_rms_epsilon"] = 1e-6
     else:
-        w.add_layer_norm_eps(1e-5)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    for k, v in spec.keys.items():
-        key = f"{arch}.{k}"
+        keys["attention.layer_norm_epsilon"] = 1e-5
+    keys |= spec.keys  # the family's own, overriding the common ones
+    for k, v in keys.items():
         if isinstance(v, float):
-            w.add_float32(key, v)
+            w.add_float32(f"{arch}.{k}", v)
         else:
-            w.add_uint32(key, int(v))
+            w.add_uint32(f"{arch}.{k}", int(v))
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
     for name, value, vtype, sub in vocab:
         w.add_key_value(name, value, vtype, sub)
     rng = np.random.default_rng([seed, *arch.encode()])

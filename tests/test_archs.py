@@ -203,7 +203,8 @@ def test_edgekv_info_prints_each_familys_verdict(tiny_dir, smollm2_path) -> None
         line = next(x for x in res.output.splitlines() if x.startswith("edgekv "))
         want = verdict(read_model_info(path))
         assert line == f"edgekv      {want.line()}"
-        assert want.status == ("supported" if arch in TESTED else "refused" if arch == "mamba" else "unverified"), \
+        refused = arch in ("mamba", "deepseek2")
+        assert want.status == ("supported" if arch in TESTED else "refused" if refused else "unverified"), \
             (arch, line)
     assert "ALiBi" in verdict(read_model_info(make_tiny("bloom", tiny_dir, vocab_from=smollm2_path))).line()
 
@@ -322,3 +323,34 @@ def test_rerotation_leaves_the_layers_without_rope_alone(tiny, engine: str) -> N
         assert same == (il == 3), il  # only the NoPE layer is untouched
         assert np.array_equal(after.keys(il)[:4], k_before[il][:4])  # the sinks did not move
     ctx.close()
+
+
+def test_mla_models_are_refused_in_one_line_and_why(tiny_dir, smollm2_path) -> None:
+    """DeepSeek-V2's MLA cache: loading it past the refusal shows why it is refused. llama.cpp
+    keeps one latent per layer and no V (V is a view of K), so the state engine cannot parse
+    the sequence's state, which the first compression of a session would hit."""
+    from edgekv.errors import StateLayoutError
+    from edgekv.kvcache import StateEngine
+    from edgekv.llama import Context, lib
+
+    path = make_tiny("deepseek2", tiny_dir, vocab_from=smollm2_path)
+    info = read_model_info(path)
+    assert info.mla and verdict(info).status == "refused"
+    with pytest.raises(ModelError) as e:
+        Model(path)
+    assert "multi-head latent attention" in str(e.value) and "\n" not in str(e.value)
+
+    class Unchecked(Model):  # the model as libllama loads it, without edgekv's refusals
+        def _setup(self) -> None:
+            self.vocab = lib().llama_model_get_vocab(self.ptr)
+            self.arch = self._read_arch()
+
+    model = Unchecked(path)
+    assert (model.arch.n_head_kv, model.arch.head_dim_k, model.arch.head_dim_v) == (1, 48, 32)
+    ctx = Context(model, n_ctx=256, n_batch=64, n_threads=2)
+    eng = StateEngine(ctx)
+    eng.decode(model.tokenize(TEXT, add_special=False)[:64], 0)
+    with pytest.raises(StateLayoutError, match="v_type"):
+        eng.snapshot()
+    ctx.close()
+    model.close()
