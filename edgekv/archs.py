@@ -47,6 +47,10 @@ def verdict(info: ModelInfo) -> Verdict:
         return Verdict("refused", attention, positions, "recurrent state" + (" beside attention" if info.n_head else ""),
                        ("keeps recurrent state, which cannot be pruned per token; edgekv compresses attention "
                         "KV caches only",))
+    if info.mrope:
+        return Verdict("refused", attention, "multimodal RoPE (M-RoPE)", layout,
+                       ("M-RoPE cells carry positions in several sections, which edgekv's engines do not "
+                        "track",))
     notes: list[str] = []
     if info.is_swa_model:
         notes.append("the sliding-window layers keep llama.cpp's own window; only the full-attention layers "

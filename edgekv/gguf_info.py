@@ -352,6 +352,7 @@ class ModelInfo:
     recurrent: bool = False  # keeps recurrent state (SSM, RWKV, short convolutions), alone or beside attention
     nope_layers: tuple[int, ...] = ()  # layers whose keys llama.cpp does not rotate (SmolLM3, Llama 4)
     attn_sinks: bool = False  # learned per-head sink logits in every softmax (gpt-oss)
+    mrope: bool = False  # multimodal RoPE: positions in sections (Qwen2-VL and its kin)
 
     @property
     def is_swa_model(self) -> bool:
@@ -478,6 +479,7 @@ def read_model_info(path: str | os.PathLike[str]) -> ModelInfo:
         recurrent=any(k.startswith(tuple(f"{arch}.{g}" for g in _RECURRENT_KEYS)) for k in m),
         nope_layers=_nope_layers(arch, n_layer, key("attention.sliding_window")),
         attn_sinks=any(t.name.endswith(".attn_sinks.weight") for t in h.tensors),
+        mrope=key("rope.dimension_sections") is not None,
     )
 
 

@@ -48,7 +48,7 @@ class TinySpec:
     arch: str
     what: str  # the attention features this family exercises, in a few words
     shape: Shape = Shape()
-    keys: dict[str, object] = field(default_factory=dict)  # "{arch}.xxx" -> value, beyond the common ones
+    keys: dict[str, object] = field(default_factory=dict)  # "{arch}.xxx" -> value (or list), beyond the common ones
     norm_eps: str = "rms"  # "rms": attention.layer_norm_rms_epsilon, "ln": attention.layer_norm_epsilon
     tensors: Callable[[Shape], list[tuple[str, tuple[int, ...]]]] = field(default=lambda s: [])
 
@@ -187,6 +187,25 @@ def _deepseek2(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
+def _lfm2(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
+    """LFM2 (src/models/lfm2.cpp): short-convolution layers (0 KV heads) between attention
+    layers with QK-norm; its final norm is named ``token_embd_norm``."""
+    e, f, kv = s.n_embd, s.n_ff, s.n_head_kv * s.head_dim
+    out = [("token_embd.weight", (e, -1)), ("token_embd_norm.weight", (e,))]
+    for i in range(s.n_layer):
+        b = f"blk.{i}."
+        out += [(b + "attn_norm.weight", (e,)), (b + "ffn_norm.weight", (e,)), (b + "ffn_gate.weight", (e, f)),
+                (b + "ffn_up.weight", (e, f)), (b + "ffn_down.weight", (f, e))]
+        if i % 2:  # attention
+            out += [(b + "attn_q_norm.weight", (s.head_dim,)), (b + "attn_k_norm.weight", (s.head_dim,)),
+                    (b + "attn_q.weight", (e, e)), (b + "attn_k.weight", (e, kv)), (b + "attn_v.weight", (e, kv)),
+                    (b + "attn_output.weight", (e, e))]
+        else:  # short convolution: recurrent state
+            out += [(b + "shortconv.conv.weight", (3, e)), (b + "shortconv.in_proj.weight", (e, 3 * e)),
+                    (b + "shortconv.out_proj.weight", (e, e))]
+    return out
+
+
 def _llama_like(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
     return _global(s) + _layers(s)
 
@@ -241,6 +260,12 @@ SPECS: dict[str, TinySpec] = {s.arch: s for s in [
                    "rope.dimension_count": 16, "leading_dense_block_count": 4, "expert_feed_forward_length": 128,
                    "expert_shared_count": 0},
              tensors=_deepseek2),
+    TinySpec("qwen2vl", "multimodal RoPE (M-RoPE): positions in sections, refused",
+             keys={"rope.dimension_sections": [2, 3, 3, 0]},
+             tensors=lambda s: _global(s) + _layers(s, qkv_bias=True)),
+    TinySpec("lfm2", "short convolutions between attention layers (hybrid: recurrent state), refused",
+             keys={"shortconv.l_cache": 3, "attention.head_count_kv": [0, 2, 0, 2]},
+             tensors=_lfm2),
     TinySpec("mamba", "no attention: a selective state space (recurrent state), refused",
              shape=Shape(n_head=0, n_head_kv=0, n_ff=0),
              keys={"ssm.conv_kernel": 4, "ssm.inner_size": 128, "ssm.state_size": 16, "ssm.time_step_rank": 8},
@@ -310,7 +335,9 @@ def make_tiny(arch: str, out_dir: str | Path, *, vocab_from: str | Path, seed: i
         keys["attention.layer_norm_epsilon"] = 1e-5
     keys |= spec.keys  # the family's own, overriding the common ones
     for k, v in keys.items():
-        if isinstance(v, float):
+        if isinstance(v, list):
+            w.add_array(f"{arch}.{k}", v)
+        elif isinstance(v, float):
             w.add_float32(f"{arch}.{k}", v)
         else:
             w.add_uint32(f"{arch}.{k}", int(v))

@@ -203,7 +203,7 @@ def test_edgekv_info_prints_each_familys_verdict(tiny_dir, smollm2_path) -> None
         line = next(x for x in res.output.splitlines() if x.startswith("edgekv "))
         want = verdict(read_model_info(path))
         assert line == f"edgekv      {want.line()}"
-        refused = arch in ("mamba", "deepseek2")
+        refused = arch in ("mamba", "deepseek2", "qwen2vl", "lfm2")
         assert want.status == ("supported" if arch in TESTED else "refused" if refused else "unverified"), \
             (arch, line)
     assert "ALiBi" in verdict(read_model_info(make_tiny("bloom", tiny_dir, vocab_from=smollm2_path))).line()
@@ -287,15 +287,19 @@ def test_alibi_is_exact_only_when_every_head_keeps_the_same_tokens(tiny) -> None
     assert not any(_exact(*r) for r in _compacted_attention(model, per_head=True))
 
 
-def test_recurrent_models_are_refused_in_one_line(tiny_dir, smollm2_path) -> None:
-    """Mamba keeps a recurrent state, not a per-token cache: edgekv refuses it at load and
-    says why, and ``edgekv info`` says so from the header without loading it."""
-    path = make_tiny("mamba", tiny_dir, vocab_from=smollm2_path)
+@pytest.mark.parametrize(("arch", "why"), [("mamba", "recurrent state"), ("lfm2", "recurrent state"),
+                                         ("qwen2vl", "M-RoPE")])
+def test_recurrent_hybrid_and_mrope_models_are_refused_in_one_line(tiny_dir, smollm2_path, arch: str,
+                                                                   why: str) -> None:
+    """Mamba keeps a recurrent state, not a per-token cache, and LFM2 keeps one beside its
+    attention layers; Qwen2-VL's cells carry sectioned positions. edgekv refuses each at load
+    and says why, and ``edgekv info`` says so from the header without loading it."""
+    path = make_tiny(arch, tiny_dir, vocab_from=smollm2_path)
     v = verdict(read_model_info(path))
-    assert v.status == "refused" and "recurrent state" in v.line()
+    assert v.status == "refused" and why in v.line()
     with pytest.raises(ModelError) as e:
         Model(path)
-    assert "recurrent state" in str(e.value) and "\n" not in str(e.value)
+    assert why in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("engine", ["state", "native"])
