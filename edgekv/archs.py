@@ -16,7 +16,7 @@ from .gguf_info import ModelInfo
 # the families the architecture matrix runs (tests/test_archs.py): a tiny model of each
 # passes every method on both engines, session files, +rerotate where RoPE allows it
 TESTED = ("llama", "mistral3", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "olmo2", "granite",
-          "starcoder2", "gpt2", "smollm3", "gpt-oss", "llama4")
+          "starcoder2", "gpt2", "smollm3", "gpt-oss", "llama4", "bloom")
 
 
 MLA_REFUSAL = ("multi-head latent attention caches one latent per layer with V a view of K, and llama.cpp's "
@@ -69,10 +69,13 @@ def verdict(info: ModelInfo) -> Verdict:
     if info.mla:
         return Verdict("refused", attention, positions, layout, (MLA_REFUSAL,))
     if info.positions == "alibi":
-        return Verdict("unverified", attention, positions, layout,
-                       ("ALiBi: a per-head compaction leaves a cell one position for tokens of several "
-                        "positions, which ALiBi's distance bias sees; not checked by the architecture matrix",
-                        *notes))
+        if info.n_head != info.n_head_kv:
+            return Verdict("unverified", attention, positions, layout,
+                           ("ALiBi with grouped-query attention: one per-cell bias per KV head cannot carry "
+                            "the slopes of its query heads; per-head compactions are refused", *notes))
+        notes += ["per-head compactions are exact on the native engine, whose per-cell bias carries "
+                  "ALiBi's distance; the state engine keeps whole tokens only (streaming_llm)",
+                  "attention-scored methods are refused: their scores would leave out ALiBi's bias"]
     if info.arch not in TESTED:
         return Verdict("unverified", attention, positions, layout,
                        (f"{info.arch} is not in edgekv's architecture matrix; it is compressed as the "

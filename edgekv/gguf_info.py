@@ -347,6 +347,7 @@ class ModelInfo:
     kq_scale: float = 0.0
     attn_logit_softcap: float = 0.0  # Gemma 2's tanh soft-capping of the logits; 0: none
     positions: str = "rope"  # how attention knows positions: "rope", "learned" (embeddings) or "alibi"
+    max_alibi_bias: float = 0.0  # ALiBi's bias, which sets each head's slope (ggml's soft_max); 0: no ALiBi
     kv_lora_rank: int = 0  # DeepSeek-V2 style low-rank KV: the latent's width; 0: none
     mla: bool = False  # llama.cpp caches that latent itself, one per layer, V a view of K (MLA)
     recurrent: bool = False  # keeps recurrent state (SSM, RWKV, short convolutions), alone or beside attention
@@ -474,6 +475,7 @@ def read_model_info(path: str | os.PathLike[str]) -> ModelInfo:
         kq_scale=_kq_scale(arch, key("attention.scale"), n_layer, n_embd, n_head, head_dim_k),
         attn_logit_softcap=float(key("attn_logit_softcapping", 0.0) or 0.0),
         positions=_positions(arch, key("attention.max_alibi_bias", 0.0), n_layer),
+        max_alibi_bias=_max_alibi_bias(arch, key("attention.max_alibi_bias", 0.0), n_layer),
         kv_lora_rank=int(key("attention.kv_lora_rank", 0) or 0),
         mla=bool(key("attention.key_length_mla", 0) and key("attention.value_length_mla", 0)),
         recurrent=any(k.startswith(tuple(f"{arch}.{g}" for g in _RECURRENT_KEYS)) for k in m),
@@ -503,11 +505,17 @@ _LEARNED_POS_ARCHS = ("gpt2", "starcoder", "mpt")
 _RECURRENT_KEYS = ("ssm.", "wkv.", "shortconv.", "time_mix_extra_dim")
 
 
+def _max_alibi_bias(arch: str, from_gguf: Any, n_layer: int) -> float:
+    """The ALiBi bias llama.cpp gives ``arch`` (0: none): fixed at 8 in its source for some
+    architectures, read from the GGUF for the others."""
+    if arch in _ALIBI_ARCHS and _ALIBI_ARCHS[arch] in (0, n_layer):
+        return 8.0
+    return float(from_gguf) if isinstance(from_gguf, (int, float)) and from_gguf > 0 else 0.0
+
+
 def _positions(arch: str, max_alibi_bias: Any, n_layer: int) -> str:
     """How ``arch``'s attention sees positions, as llama.cpp builds it."""
-    if arch in _ALIBI_ARCHS and _ALIBI_ARCHS[arch] in (0, n_layer):
-        return "alibi"
-    if isinstance(max_alibi_bias, (int, float)) and max_alibi_bias > 0:
+    if _max_alibi_bias(arch, max_alibi_bias, n_layer):
         return "alibi"
     return "learned" if arch in _LEARNED_POS_ARCHS else "rope"
 

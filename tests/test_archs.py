@@ -76,7 +76,7 @@ def test_each_family_loads_with_its_verdict_and_chats(tiny, arch: str) -> None:
     assert v.status == "supported", v.line()
     spec = SPECS[arch]
     assert (model.arch.n_layer, model.arch.n_head_kv) == (spec.shape.n_layer, spec.shape.n_head_kv)
-    assert model.info.positions == ("learned" if arch == "gpt2" else "rope")
+    assert model.info.positions == {"gpt2": "learned", "bloom": "alibi"}.get(arch, "rope")
     assert model.info.is_swa_model == (arch in ("gemma2", "gemma3", "gpt-oss", "llama4"))
     with Session(model, method="knorm", budget=96, n_ctx=160, n_threads=2) as s:
         chat = Chat(s, system="You keep a lighthouse.")
@@ -109,7 +109,8 @@ def _run_methods(model: Model, engine: str, profile: str) -> dict[str, object]:
     params: dict[str, dict[str, object]] = {"compresskv": {"profile": profile}}
     more = model.tokenize(" And then the fog came in.", add_special=False)
     out: dict[str, object] = {}
-    record = not (model.info.attn_logit_softcap or model.info.attn_sinks)  # else the engines refuse to record
+    info = model.info  # under soft-capping, sinks or ALiBi the engines refuse to record attention
+    record = not (info.attn_logit_softcap or info.attn_sinks or info.positions == "alibi")
     with Session(model, method="full", n_ctx=512, engine=engine, n_threads=2, observe=64 * record,
                  tally=record) as s:
         assert s.engine.name == engine
@@ -141,16 +142,21 @@ def test_every_method_on_every_engine_leaves_the_same_cache(tiny, arch: str, tmp
     state = runs["state"]
     ran = [m for m, r in state.items() if isinstance(r, tuple)]
     refused = {m: r for m, r in state.items() if isinstance(r, str)}
-    assert {"streaming_llm", "knorm", "random", "lagkv", "chelsea_nobias"} <= set(ran), refused
+    everywhere = {"streaming_llm"} if model.info.positions == "alibi" else \
+        {"streaming_llm", "knorm", "random", "lagkv", "chelsea_nobias"}
+    assert everywhere <= set(ran), refused
     for m, why in refused.items():  # every refusal on the state engine has its reason
         assert "\n" not in why
-        if model.info.attn_logit_softcap or model.info.attn_sinks:
-            assert "soft-capping" in why or "sinks" in why or "needs" in why, (m, why)
+        if model.info.attn_logit_softcap or model.info.attn_sinks or model.info.positions == "alibi":
+            assert any(w in why for w in ("soft-capping", "sinks", "ALiBi", "needs")), (m, why)
         else:
             assert "needs" in why, (m, why)  # only the native engine's bias and merge ops
     if "native" in runs:
         native = runs["native"]
-        assert all(isinstance(r, tuple) for r in native.values()), native
+        for m, r in native.items():  # the native engine refuses only what no engine scores right
+            assert isinstance(r, tuple) or any(w in r for w in ("soft-capping", "sinks", "ALiBi")), (m, r)
+        if model.info.positions == "alibi":  # per-head methods: the native engine's bias keeps them exact
+            assert {"knorm", "random", "lagkv", "chelsea"} <= {m for m, r in native.items() if isinstance(r, tuple)}
         for m in ran:
             blob_s, tp_s, next_s = state[m]
             blob_n, tp_n, next_n = native[m]
@@ -209,7 +215,8 @@ def test_edgekv_info_prints_each_familys_verdict(tiny_dir, smollm2_path) -> None
     assert "ALiBi" in verdict(read_model_info(make_tiny("bloom", tiny_dir, vocab_from=smollm2_path))).line()
 
 
-def _compacted_attention(model: Model, per_head: bool) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+def _compacted_attention(model: Model, per_head: bool, engine: str = "auto",
+                         zero_bias: bool = False) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Per compressed layer: (llama.cpp's attention output, the float64 reference over the
     kept rows at their tokens' true positions, the same reference with V's rows permuted),
     for 4 queries decoded after a compaction to 60 of 120 cells (the same cells in every
@@ -222,7 +229,7 @@ def _compacted_attention(model: Model, per_head: bool) -> list[tuple[np.ndarray,
 
     info = model.info
     ctx = Context(model, n_ctx=256, n_batch=64, flash_attn="off", n_threads=2)
-    eng = make_engine(ctx, "auto")
+    eng = make_engine(ctx, engine)
     toks = model.tokenize(TEXT, add_special=False)[:124]
     prefill(eng, toks[:120], batch=64)
     rows = len(info.global_layers) if info.is_swa_model else info.n_layer
@@ -232,6 +239,8 @@ def _compacted_attention(model: Model, per_head: bool) -> list[tuple[np.ndarray,
     if not per_head:
         keep[:] = keep[0, 0]
     eng.compact(keep)
+    if zero_bias:  # what llama.cpp attends without edgekv's per-cell bias
+        eng.bias_set(np.zeros((rows, info.n_head_kv, eng.n_cells), np.float32))
     layers = list(info.global_layers) if info.is_swa_model else list(range(info.n_layer))
     ctx.capture.want("Qcur", layers)
     ctx.capture.want("kqv_out", layers)
@@ -279,12 +288,19 @@ def test_attention_after_a_per_head_compaction_is_exact(tiny, arch: str) -> None
 
 
 @pytest.mark.kernels
-def test_alibi_is_exact_only_when_every_head_keeps_the_same_tokens(tiny) -> None:
-    """Why ALiBi stays unverified: its bias reads each cell's one position, so a compaction
-    that keeps the same tokens in every head is exact and a per-head one is not."""
+def test_alibi_is_exact_after_a_per_head_compaction_only_with_the_bias(tiny) -> None:
+    """ALiBi biases each key by its cell's one position. A compaction that keeps the same
+    tokens in every head is exact on both engines; a per-head one is exact on the native
+    engine, whose per-cell bias carries the distance it took from each head's tokens, and
+    is not without that bias, which is why the state engine refuses it."""
     model = tiny("bloom")
-    assert all(_exact(*r) for r in _compacted_attention(model, per_head=False))
-    assert not any(_exact(*r) for r in _compacted_attention(model, per_head=True))
+    for engine in ("state", "native"):
+        assert all(_exact(*r) for r in _compacted_attention(model, per_head=False, engine=engine))
+    assert all(_exact(*r) for r in _compacted_attention(model, per_head=True, engine="native"))
+    assert not any(_exact(*r) for r in _compacted_attention(model, per_head=True, engine="native", zero_bias=True))
+    with pytest.raises(EdgekvError, match="ALiBi") as e:
+        _compacted_attention(model, per_head=True, engine="state")
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize(("arch", "why"), [("mamba", "recurrent state"), ("lfm2", "recurrent state"),

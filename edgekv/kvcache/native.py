@@ -118,6 +118,21 @@ def api_version() -> int:
     return int(m[1].llama_edgekv_api_version()) if m else 0
 
 
+def _alibi_slopes(info: Any, n_kv_head: int) -> np.ndarray | None:
+    """ALiBi's slope per KV head (ggml's soft_max, per query head), or None without ALiBi.
+    A per-KV-head bias can only carry one slope per KV head, so grouped-query ALiBi is
+    left to the state engine, which refuses per-head compactions."""
+    if not info.max_alibi_bias:
+        return None
+    if info.n_head != n_kv_head:
+        raise NativeUnsupported("native engine: ALiBi with grouped-query attention (one bias per KV head "
+                                "cannot carry the slopes of several query heads)")
+    n_log2 = 1 << int(np.floor(np.log2(info.n_head)))
+    m0 = 2.0 ** (-info.max_alibi_bias / n_log2)
+    m1 = 2.0 ** (-(info.max_alibi_bias / 2.0) / n_log2)
+    return np.array([m0 ** (h + 1) if h < n_log2 else m1 ** (2 * (h - n_log2) + 1) for h in range(info.n_head)])
+
+
 def _ptr(ctx: Context) -> int:
     p = ctx.ptr
     return p if isinstance(p, int) else ctypes.cast(p, ctypes.c_void_p).value
@@ -158,6 +173,7 @@ class NativeEngine:
         self.n_layer, n_head_kv, hk, hv, self.kv_size = (int(x) for x in out)
         self._gen = 0  # bumped whenever the cache changes; a snapshot reads lazily and must not outlive it
         self._biased = False  # attention adds log(counts): merged cells weigh what they stand for
+        self._alibi = _alibi_slopes(ctx.model.info, self.n_kv_head)  # None: the model has no ALiBi
         self._buffers = ReadBuffers(2 * READ_BYTES)
         if (n_head_kv, hk, hv) != (self.n_kv_head, self.head_dim_k, self.head_dim_v):
             raise NativeUnsupported("native engine: the cache's geometry differs from the model's")
@@ -284,6 +300,8 @@ class NativeEngine:
         self._check(self.lib.llama_edgekv_seq_compact(self._c, self.seq, b, self._i32(cells), self._i32(new_pos)),
                     "compact")
         self._portable.compacted(pos, keep)
+        if self._alibi is not None:
+            self._apply_bias()
 
     def merge(self, src: np.ndarray, dst: np.ndarray, *, bias: bool) -> None:
         """Fold each source cell into its destination per (layer, KV head) and drop the
@@ -308,8 +326,8 @@ class NativeEngine:
                         rot=self.tokens.full_rot(pos, self.n_layer))
         self.compact(merge_keep(src, n))  # a backend that cannot compact: the state engine does it
         # the op kept log(count) in float32; the host counts are exact, so the device copies them
-        self.bias_set(np.log(self.tokens.full_counts(self.n_layer, self.n_cells)))
         self._biased = True
+        self._apply_bias()
 
     def _merge_in_place(self, src: np.ndarray, dst: np.ndarray, counts: np.ndarray) -> None:
         """Run the device merge, one call per group width (``merge_groups``); (layer, head)s
@@ -340,8 +358,30 @@ class NativeEngine:
         self._portable.restore(replace(state, bias=False))
         # llama.cpp zeroes the bias of every cell a restore writes (apply_ubatch, patch 0003)
         self._biased = state.bias and state.counts is not None
-        if self._biased:
-            self.bias_set(np.log(state.counts), cell_order=False)
+        if self._biased or self._alibi is not None:
+            self._apply_bias()
+
+    def _apply_bias(self) -> None:
+        """Write the per (layer, KV head, cell) bias attention adds to its logits: log(count)
+        of merged cells, and on ALiBi models the distance a per-head compaction took from
+        each head's tokens. ALiBi biases a key by slope x (its cell's position - the query's);
+        a cell that holds, in head h, a token of position t > the cell's position c needs
+        slope x (t - c) more, a constant per cell. llama.cpp adds this bias to the mask, which
+        ggml's soft_max multiplies by each head's slope under ALiBi, so it is written in
+        positions (and log(count) divided by the slope)."""
+        counts = self.tokens.full_counts(self.n_layer, self.n_cells) if self._biased else None
+        if self._alibi is None:
+            if counts is not None:
+                self.bias_set(np.log(counts))
+            return
+        pos = np.sort(self.cell_positions())
+        tp = self.tokens.full(pos, self.n_layer).astype(np.float64) - self.tokens.pos_shift
+        bias = tp - pos[None, None, :]
+        if counts is not None:
+            bias += np.log(counts) / self._alibi[None, :, None]
+        if not self.bias_enabled:
+            self.bias_enable()
+        self.bias_set(bias.astype(np.float32))
 
     # -- native-only ops -------------------------------------------------------
     def _to_cells(self, a: np.ndarray) -> np.ndarray:

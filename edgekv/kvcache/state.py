@@ -119,6 +119,9 @@ class StateEngine:
         if info.attn_sinks:
             raise EdgekvError("attention-scored methods do not model learned attention sinks "
                               f"({info.arch}); use an attention-free method")
+        if info.positions == "alibi":
+            raise EdgekvError("attention-scored methods do not model ALiBi's distance bias "
+                              f"({info.arch}); use an attention-free method")
         if self.window is None:
             arch = self.ctx.model.arch
             self.ctx.capture.want("Qcur", self.layers)
@@ -266,6 +269,7 @@ class StateEngine:
     # -- verbs -----------------------------------------------------------------
     def compact(self, keep: np.ndarray) -> None:
         self._writable()
+        self._whole_tokens_under_alibi(keep)
         st = self._parse()
         sec = st.sections[0]
         order = np.argsort(sec.pos, kind="stable")
@@ -274,6 +278,15 @@ class StateEngine:
         st.sections[0] = layout.gather_section(sec, order, keep, compacted_positions(pos, keep), self.n_kv_head)
         self.ctx.state_set(layout.write_seq_state(st), self.seq)
         self.compacted(pos, keep)
+
+    def _whole_tokens_under_alibi(self, keep: np.ndarray) -> None:
+        """ALiBi reads each cell's one position: a compaction that keeps different tokens per
+        head is exact only with the native engine's per-cell bias (``NativeEngine._apply_bias``)."""
+        keep = np.asarray(keep)
+        if self.ctx.model.info.positions == "alibi" and keep.ndim == 3 and not np.all(keep == keep[:1, :1]):
+            raise EdgekvError(f"ALiBi ({self.ctx.model.info.arch}): keeping different tokens per head needs the "
+                              "native engine's per-cell bias to stay exact; the state engine keeps whole tokens "
+                              "only (streaming_llm, context_shift)")
 
     def compacted(self, pos: np.ndarray, keep: np.ndarray) -> None:
         """Bring the host's bookkeeping (the token map, H2O's tally) in line with a compaction
@@ -290,6 +303,9 @@ class StateEngine:
         if bias:
             raise EdgekvError("attention that weighs merged cells by their counts (the log-count bias) needs "
                               "the native engine; the state engine merges without it")
+        if self.ctx.model.info.positions == "alibi":
+            raise EdgekvError(f"ALiBi ({self.ctx.model.info.arch}): a merged cell holds tokens of several "
+                              "positions, which needs the native engine's bias (chelsea) to stay exact")
         self._writable()
         st = self._parse()
         sec = st.sections[0]
