@@ -449,6 +449,7 @@ def read_model_info(path: str | os.PathLike[str]) -> ModelInfo:
     if file_type is None:
         file_type = types.most_common(1)[0][0] if types else "?"
 
+    alibi = _max_alibi_bias(arch, key("attention.max_alibi_bias", 0.0), n_layer)
     return ModelInfo(
         path=p,
         file_size=h.file_size,
@@ -474,8 +475,8 @@ def read_model_info(path: str | os.PathLike[str]) -> ModelInfo:
         swa_pattern_source=source,
         kq_scale=_kq_scale(arch, key("attention.scale"), n_layer, n_embd, n_head, head_dim_k),
         attn_logit_softcap=float(key("attn_logit_softcapping", 0.0) or 0.0),
-        positions=_positions(arch, key("attention.max_alibi_bias", 0.0), n_layer),
-        max_alibi_bias=_max_alibi_bias(arch, key("attention.max_alibi_bias", 0.0), n_layer),
+        positions="alibi" if alibi else "learned" if arch in _LEARNED_POS_ARCHS else "rope",
+        max_alibi_bias=alibi,
         kv_lora_rank=int(key("attention.kv_lora_rank", 0) or 0),
         mla=bool(key("attention.key_length_mla", 0) and key("attention.value_length_mla", 0)),
         recurrent=any(k.startswith(tuple(f"{arch}.{g}" for g in _RECURRENT_KEYS)) for k in m),
@@ -511,13 +512,6 @@ def _max_alibi_bias(arch: str, from_gguf: Any, n_layer: int) -> float:
     if arch in _ALIBI_ARCHS and _ALIBI_ARCHS[arch] in (0, n_layer):
         return 8.0
     return float(from_gguf) if isinstance(from_gguf, (int, float)) and from_gguf > 0 else 0.0
-
-
-def _positions(arch: str, max_alibi_bias: Any, n_layer: int) -> str:
-    """How ``arch``'s attention sees positions, as llama.cpp builds it."""
-    if _max_alibi_bias(arch, max_alibi_bias, n_layer):
-        return "alibi"
-    return "learned" if arch in _LEARNED_POS_ARCHS else "rope"
 
 
 def _kq_scale(arch: str, gguf_scale: Any, n_layer: int, n_embd: int, n_head: int, head_dim_k: int) -> float:

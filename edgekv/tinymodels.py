@@ -307,12 +307,13 @@ def _n_vocab(fields: list[tuple[str, object, object, object]]) -> int:
 
 
 def make_tiny(arch: str, out_dir: str | Path, *, vocab_from: str | Path, seed: int = 0) -> Path:
-    """Write ``<out_dir>/tiny-<arch>.gguf`` (made again only when missing) and return its path."""
+    """Write ``<out_dir>/tiny-<arch>.gguf`` (``tiny-<arch>-s<seed>.gguf`` for another seed;
+    made again only when missing) and return its path."""
     spec = SPECS.get(arch)
     if spec is None:
         raise EdgekvError(f"no tiny model for {arch!r}; one of: {', '.join(SPECS)}")
     gguf = _gguf()
-    out = Path(out_dir) / f"tiny-{arch}.gguf"
+    out = Path(out_dir) / (f"tiny-{arch}.gguf" if seed == 0 else f"tiny-{arch}-s{seed}.gguf")
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
