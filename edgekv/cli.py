@@ -94,6 +94,12 @@ ThreadsOpt = Annotated[int | None, typer.Option("--threads", "-t", help="CPU thr
 EngineOpt = Annotated[str, typer.Option(
     "--engine", help="KV engine: auto (native ops when libllama has edgekv's patches and the cache suits them), "
     "native, or state (portable, via llama.cpp's state API).")]
+RpcOpt = Annotated[str | None, typer.Option(
+    "--rpc", help="llama.cpp rpc-servers HOST:PORT[,HOST:PORT] (`edgekv rpc-server` on each machine): the model's "
+    "layers and their KV cache run there, split by the servers' free memory.")]
+NglOpt = Annotated[int | None, typer.Option(
+    "--n-gpu-layers", "-ngl", help="Layers offloaded to the GPU or the --rpc servers (-1: all; default: all with "
+    "--rpc, else 0). Their KV cache goes with them.")]
 ParamOpt = Annotated[
     list[str] | None, typer.Option("--param", "-p", help="Method parameter NAME=VALUE (repeatable).")
 ]
@@ -146,6 +152,15 @@ class SessionArgs:
     threads: int | None
     param: list[str] | None
     engine: str
+    rpc: str | None = None
+    n_gpu_layers: int | None = None
+
+    def load(self, path: Path):
+        """The model at ``path``, with its layers where --rpc and --n-gpu-layers put them."""
+        from .llama import Model
+        from .rpc import parse_endpoints
+
+        return Model(path, n_gpu_layers=self.n_gpu_layers, rpc=parse_endpoints(self.rpc) if self.rpc else ())
 
     def options(self) -> ContextOptions:
         return ContextOptions(self.cache_type_k, self.cache_type_v, self.flash_attn, self.threads, self.engine)
@@ -163,7 +178,7 @@ _SESSION_OPTIONS = [  # (name, annotation, default), in the order --help lists t
     ("method", MethodOpt, "streaming_llm"), ("budget", BudgetOpt, None), ("ratio", RatioOpt, None),
     ("n_ctx", NCtxOpt, None), ("cache_type_k", CtkOpt, "f16"), ("cache_type_v", CtvOpt, "f16"),
     ("flash_attn", FaOpt, "auto"), ("threads", ThreadsOpt, None), ("param", ParamOpt, None),
-    ("engine", EngineOpt, "auto"),
+    ("engine", EngineOpt, "auto"), ("rpc", RpcOpt, None), ("n_gpu_layers", NglOpt, None),
 ]
 
 
@@ -189,11 +204,10 @@ def session_options(fn):
 
 
 def _session(model: str | None, opts: SessionArgs, *, interactive: bool):
-    from .llama import Model
     from .models import resolve_model
     from .session import Session
 
-    mdl = Model(resolve_model(model))
+    mdl = opts.load(resolve_model(model))
     return Session(mdl, options=opts.options(), rule=opts.rule(mdl.arch.n_ctx_train, interactive=interactive))
 
 
@@ -408,7 +422,6 @@ def serve(
     import shutil
     import tempfile
 
-    from .llama import Model
     from .models import edgekv_home, resolve_model
     from .server import App, ServerConfig, Settings
     from .server import serve as run_server
@@ -419,7 +432,7 @@ def serve(
         if max_prompt_tokens < 1 or max_tokens < 1:
             raise EdgekvError("--max-prompt-tokens and --max-tokens must be positive")
         path = resolve_model(model)
-        mdl = Model(path)
+        mdl = opts.load(path)
         rule = opts.rule(mdl.arch.n_ctx_train, interactive=True)
         own_dir = state_dir is None
         if state_dir is None:
@@ -513,6 +526,31 @@ def calibrate(
         for row, il in enumerate(prof.layers):
             typer.echo(f"  layer {il:3d}: {prof.top_heads(row, 4)}")
         typer.echo(f"profile: {out}")
+    except EdgekvError as e:
+        _fail(e)
+
+
+@app.command("rpc-server")
+def rpc_server(
+    host: Annotated[str, typer.Option("--host", "-H", help="Address to bind. Anything but 127.0.0.1 lets other "
+                                      "machines in: the protocol has no authentication, so only on a network you trust.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", "-p", help="TCP port.")] = 50052,
+    threads: Annotated[int | None, typer.Option("--threads", "-t", help="CPU threads (default: half the cores).")] = None,
+    cache: Annotated[bool, typer.Option("--cache", "-c", help="Keep received weights in a local file cache "
+                                        "(llama.cpp's LLAMA_CACHE), so a model loads faster the second time.")] = False,
+) -> None:
+    """Run llama.cpp's rpc-server (built by setup from the same llama.cpp), so another
+    machine's `edgekv chat|generate|serve --rpc HOST:PORT` can put layers and KV cache here."""
+    try:
+        from .rpc import server_binary
+
+        if not 0 < port < 65536 or (threads is not None and threads < 1):
+            raise EdgekvError("--port must be 1..65535 and --threads positive")
+        args = [str(server_binary()), "-H", host, "-p", str(port)]
+        args += ["-t", str(threads)] if threads else []
+        args += ["-c"] if cache else []
+        sys.stdout.flush()
+        os.execv(args[0], args)
     except EdgekvError as e:
         _fail(e)
 

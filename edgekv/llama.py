@@ -10,6 +10,8 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache, cached_property
 from pathlib import Path
@@ -30,7 +32,7 @@ if TYPE_CHECKING:
 _L = None
 _log_cb = None
 _log_tail: list[str] = []
-_creation_log: list[str] | None = None  # all log lines while a Context is being created
+_creation_log: list[str] | None = None  # all log lines inside _logged() (a load, a context creation)
 _verbose = bool(os.environ.get("EDGEKV_VERBOSE"))
 
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
@@ -62,6 +64,27 @@ def lib():
     L.llama_backend_init()
     _L = L
     return L
+
+
+@contextmanager
+def _logged() -> Iterator[list[str]]:
+    """Every line llama.cpp logs inside the block (a model load, a context creation)."""
+    global _creation_log
+    lib()
+    _creation_log = lines = []
+    try:
+        yield lines
+    finally:
+        _creation_log = None
+
+
+def buffer_sizes(log: str, what: str = "model") -> dict[str, float]:
+    """MiB per device of llama.cpp's ``<DEVICE> <what> buffer size = N MiB`` lines in a load
+    or creation log (``what``: model, KV, compute): where the weights and the cache went."""
+    out: dict[str, float] = {}
+    for dev, mib in re.findall(rf"(\S+) {re.escape(what)} buffer size =\s*([0-9.]+) MiB", log):
+        out[dev] = out.get(dev, 0.0) + float(mib)
+    return out
 
 
 def last_log_error() -> str:
@@ -156,18 +179,32 @@ class Arch:
 class Model(_Owned):
     """A loaded GGUF model (weights) plus its vocabulary."""
 
-    def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0) -> None:
+    def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int | None = None, rpc: tuple[str, ...] = ()) -> None:
+        """``rpc``: llama.cpp rpc-servers (``HOST:PORT``, checked by ``edgekv.rpc``) that hold
+        the offloaded layers and their KV cache, instead of this machine's own GPUs.
+        ``n_gpu_layers``: layers offloaded (negative: all); default all with ``rpc``, else 0."""
+        from . import rpc as rpc_mod
         from .models import validate_gguf
 
         self.path = Path(path)
-        self.n_gpu_layers = n_gpu_layers
+        self.rpc = tuple(rpc)
+        self.n_gpu_layers = (-1 if self.rpc else 0) if n_gpu_layers is None else n_gpu_layers
+        self.ptr = None
         validate_gguf(self.path)
         L = lib()
         params = L.llama_model_default_params()
-        params.n_gpu_layers = n_gpu_layers
+        params.n_gpu_layers = self.n_gpu_layers
         params.use_extra_bufts = use_extra_bufts()
-        self.ptr = L.llama_model_load_from_file(str(self.path).encode(), params)
+        devs = None
+        if self.rpc:  # the servers' devices only, NULL-terminated; the global registry stays local
+            found = rpc_mod.devices(self.rpc, self)
+            devs = (ctypes.c_void_p * (len(found) + 1))(*found, None)
+            params.devices = ctypes.cast(devs, ctypes.c_void_p)
+        with _logged() as log:
+            self.ptr = L.llama_model_load_from_file(str(self.path).encode(), params)
+        self.load_log = "".join(log)
         if not self.ptr:
+            rpc_mod.release(self.rpc, self)
             raise ModelError(f"llama.cpp could not load {self.path}: {last_log_error() or 'unknown error'}")
         self._owner: object | None = None  # None: this object loaded the weights and frees them
         self._setup()
@@ -186,6 +223,7 @@ class Model(_Owned):
         lib()  # edgekv's log capture and backend initialisation
         self.path = Path(path)
         self.n_gpu_layers = int(getattr(getattr(llm, "model_params", None), "n_gpu_layers", 0) or 0)
+        self.rpc = ()
         self.ptr = ptr
         self._owner = llm  # keeps the Llama, and so the weights, alive as long as this Model
         self._setup()
@@ -295,9 +333,18 @@ class Model(_Owned):
             raise ModelError("the model's chat template is not supported by llama.cpp's template engine")
         return buf.raw[:n].decode("utf-8", "replace")
 
+    @property
+    def offloaded(self) -> bool:
+        """Whether layers (and their KV cache) live on a device other than this CPU."""
+        return self.n_gpu_layers != 0
+
     def close(self) -> None:
         if getattr(self, "ptr", None) and getattr(self, "_owner", None) is None:
             lib().llama_model_free(self.ptr)
+            if getattr(self, "rpc", ()):
+                from .rpc import release
+
+                release(self.rpc, self)
         self.ptr = None
         self._owner = None
 
@@ -352,7 +399,7 @@ def resolve_flash_attn(flash_attn: str, cache_type_v: str, n_gpu_layers: int) ->
         return flash_attn
     if cache_type_v not in UNQUANTISED_V:
         return "on"
-    return "auto" if n_gpu_layers > 0 else "off"
+    return "auto" if n_gpu_layers != 0 else "off"  # negative: every layer offloaded
 
 
 class Context(_Owned):
@@ -397,13 +444,9 @@ class Context(_Owned):
             self._cb_eval = L.ggml_backend_sched_eval_callback(self.capture.callback_address())
             p.cb_eval = self._cb_eval
             p.cb_eval_user_data = self.capture.user_data()
-        global _creation_log
-        _creation_log = []
-        try:
+        with _logged() as log:
             self.ptr = L.llama_init_from_model(model.ptr, p)
-            created_log = "".join(_creation_log)
-        finally:
-            _creation_log = None
+        self.creation_log = created_log = "".join(log)
         if not self.ptr:
             raise EdgekvError(f"llama.cpp could not create a context: {last_log_error() or 'unknown error'}")
         self.mem = L.llama_get_memory(self.ptr)

@@ -27,7 +27,9 @@ Options:
   baseline of ``bench/patch_overhead.py``).
 - ``--target DIR``: install the wheel into DIR (``pip install --target``)
   instead of this Python.
-- ``--install`` also installs the gguf-py of the same vendored llama.cpp in place of
+- ``--install`` (and ``--target``) also put llama.cpp's rpc-server, compiled against the
+  wheel's libggml, into the installed ``llama_cpp/lib`` (``edgekv rpc-server`` runs it);
+  ``--install`` also installs the gguf-py of the same vendored llama.cpp in place of
   PyPI's ``gguf`` (same version number, older names), so generated models use the
   names this libllama loads.
 - ``EDGEKV_BLAS=1``: ggml's OpenBLAS backend too (needs Debian's
@@ -52,6 +54,7 @@ import sys
 import sysconfig
 import tarfile
 import tempfile
+import zipfile
 from pathlib import Path
 
 VERSION = "0.3.36"
@@ -70,6 +73,9 @@ BASE_FLAGS = [
     "-DLLAMA_BUILD_EXAMPLES=OFF",
     "-DLLAMA_BUILD_TOOLS=OFF",
     "-DLLAMA_BUILD_SERVER=OFF",
+    # llama.cpp's RPC backend (libggml-rpc): a model and its KV cache on other machines'
+    # rpc-servers (``edgekv ... --rpc HOST:PORT``); the server itself is built beside the wheel.
+    "-DGGML_RPC=ON",
     f"-DCMAKE_C_FLAGS={AMX_OFF}",
     f"-DCMAKE_CXX_FLAGS={AMX_OFF}",
 ]
@@ -247,6 +253,50 @@ def build(cuda: bool, cpu: str = "native", stock: bool = False) -> Path:
         return final
 
 
+RPC_SERVER = "ggml-rpc-server"  # the name llama.cpp's CMake gives it; edgekv.rpc looks for it
+
+
+def build_rpc_server(whl: Path) -> Path:
+    """llama.cpp's rpc-server (``tools/rpc/rpc-server.cpp`` of the same sdist), compiled
+    against this wheel's libggml and kept beside the wheel. llama-cpp-python's CMake does
+    not build llama.cpp's tools, and the server is one file over ggml's public API, so it
+    is compiled here in seconds instead of a second CMake build of ggml. Linked to the
+    very libggml the client loads, it speaks the same protocol and runs the same kernels."""
+    out = whl.parent / RPC_SERVER
+    if out.is_file():
+        return out
+    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        sys.exit("[edgekv build] building llama.cpp's rpc-server needs a C++ compiler (c++)")
+    prefix = f"llama_cpp_python-{VERSION}/vendor/llama.cpp/"
+    with tempfile.TemporaryDirectory(prefix="edgekv-rpc-") as tmp:
+        with tarfile.open(fetch_sdist()) as tf:
+            wanted = [m for m in tf.getmembers() if m.name.startswith(prefix + "ggml/include/")
+                      or m.name == prefix + "tools/rpc/rpc-server.cpp"]
+            tf.extractall(tmp, members=wanted, filter="data")
+        with zipfile.ZipFile(whl) as zf:
+            zf.extractall(tmp, members=[n for n in zf.namelist() if n.startswith("llama_cpp/lib/")])
+        src, libdir = Path(tmp) / prefix, Path(tmp) / "llama_cpp" / "lib"
+        origin = "@loader_path" if sys.platform == "darwin" else "$ORIGIN"
+        log(f"building llama.cpp's rpc-server against {whl.name}")
+        r = subprocess.run([cxx, "-O2", "-std=c++17", f"-I{src / 'ggml/include'}", str(src / "tools/rpc/rpc-server.cpp"),
+                            f"-L{libdir}", "-lggml", "-lggml-base", f"-Wl,-rpath,{origin}", "-o", str(out) + ".part"],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            sys.exit(f"[edgekv build] building llama.cpp's rpc-server failed:\n{r.stderr[-4000:]}")
+    os.replace(str(out) + ".part", out)
+    return out
+
+
+def install_rpc_server(whl: Path, site: Path) -> None:
+    """Put the rpc-server into the installed wheel's library folder, beside its libggml."""
+    dest = site / "llama_cpp" / "lib"
+    if not dest.is_dir():
+        sys.exit(f"[edgekv build] {dest} is missing after installing {whl.name}")
+    shutil.copy2(build_rpc_server(whl), dest / (RPC_SERVER + ".part"))
+    os.replace(dest / (RPC_SERVER + ".part"), dest / RPC_SERVER)
+
+
 def install_gguf_py() -> None:
     """pip install the gguf-py that ships inside the vendored llama.cpp, in place of PyPI's:
     its tensor and key names are the ones this libllama loads (``edgekv/tinymodels.py``
@@ -291,12 +341,14 @@ def main() -> None:
     if a.target:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--upgrade",
                         "--target", str(a.target), str(whl)], check=True)
+        install_rpc_server(whl, a.target)
     elif a.install:
         pip = [sys.executable, "-m", "pip", "install", "-q"]
         # Same version as a stock install, so force the swap; then a second
         # pass brings in the bindings' own dependencies.
         subprocess.run([*pip, "--force-reinstall", "--no-deps", str(whl)], check=True)
         subprocess.run([*pip, str(whl)], check=True)
+        install_rpc_server(whl, Path(sysconfig.get_paths()["platlib"]))
         install_gguf_py()
 
 
