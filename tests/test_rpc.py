@@ -13,11 +13,13 @@ import gc
 import re
 import signal
 import socket
+import subprocess
 import threading
+import time
 
 import numpy as np
 import pytest
-from _helpers import prefill, run_cli
+from _helpers import CMD, prefill, run_cli
 
 from edgekv import rpc
 from edgekv.kvcache.native import NativeEngine
@@ -210,3 +212,24 @@ def test_the_cli_refuses_unreachable_servers_in_one_line(smollm2_path) -> None:
         assert r.returncode == 2
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("edgekv: error:") and why in lines[0], r.stderr
+
+
+def test_edgekv_rpc_server_runs_llama_cpps_server() -> None:
+    # `edgekv rpc-server` is llama.cpp's own binary (it execs it), answering this client's handshake
+    port = rpc.free_port()
+    proc = subprocess.Popen([*CMD, "rpc-server", "--port", str(port), "--threads", "1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                assert rpc.probe(f"127.0.0.1:{port}", timeout=1.0)[0] == rpc.RPC_PROTO_MAJOR
+                break
+            except RpcError:
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.2)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    r = run_cli("rpc-server", "--port", "70000")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--port" in r.stderr
