@@ -73,6 +73,7 @@ class Stats:
 
     capacity: int  # cells the session may hold (its --n-ctx)
     kv_bytes_per_cell: int
+    scratch_cells: int = 0  # allocated beside the capacity for the method's own passes (KVzip)
     cells: int = 0
     peak_cells: int = 0
     compressions: int = 0
@@ -87,7 +88,7 @@ class Stats:
 
     @property
     def kv_bytes_allocated(self) -> int:
-        return self.capacity * self.kv_bytes_per_cell
+        return (self.capacity + self.scratch_cells) * self.kv_bytes_per_cell
 
     @property
     def kept_fraction(self) -> float:
@@ -166,7 +167,7 @@ class Session:
             # iSWA models (Gemma 3): llama.cpp sizes the sliding-window cache min(n_ctx, window +
             # batch), and it must hold a whole window plus a batch however far the positions run,
             # while compression keeps only the full-attention cells within the capacity
-            n_ctx=max(rule.capacity, arch.n_swa + n_batch) if arch.n_swa else rule.capacity,
+            n_ctx=(max(rule.capacity, arch.n_swa + n_batch) if arch.n_swa else rule.capacity) + first.scratch_cells,
             n_batch=n_batch,
             cache_type_k=options.cache_type_k,
             cache_type_v=options.cache_type_v,
@@ -175,7 +176,7 @@ class Session:
         )
         self.engine = make_engine(self.ctx, options.engine)
         per_cell = kv_bytes_per_token(self.model.info, options.cache_type_k, options.cache_type_v)
-        self.stats = Stats(capacity=rule.capacity, kv_bytes_per_cell=per_cell)
+        self.stats = Stats(capacity=rule.capacity, kv_bytes_per_cell=per_cell, scratch_cells=first.scratch_cells)
         self.n_past = 0  # next position to decode at (pos_max + 1)
         self._sampler: Sampler | None = None
         self._has_logits = False
@@ -242,7 +243,8 @@ class Session:
         self.n_past = 0
         self._since_compress = 0
         self._has_logits = False
-        self.stats = Stats(capacity=self.capacity, kv_bytes_per_cell=self.stats.kv_bytes_per_cell)
+        self.stats = Stats(capacity=self.capacity, kv_bytes_per_cell=self.stats.kv_bytes_per_cell,
+                           scratch_cells=self.stats.scratch_cells)
 
     # -- cache ---------------------------------------------------------------
     def compress(self, target: int | None = None, *, scheduled: bool = False) -> None:

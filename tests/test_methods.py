@@ -39,7 +39,8 @@ def snapshot(seed: int = 0, n: int = N, token_pos: np.ndarray | None = None) -> 
     q = rng.standard_normal((L, 2 * H, 64, D)).astype(np.float32)
     win = QueryWindow(64, tuple(range(L)), q, np.arange(n - 64, n, dtype=np.int32))
     tally = rng.exponential(1.0, (L, H, n))  # H2O's accumulated attention
-    return KVSnapshot.from_arrays(keys, values, token_pos, queries=win, tally=tally)
+    rebuilt = rng.random((L, H, n))  # KVzip's reconstruction scores
+    return KVSnapshot.from_arrays(keys, values, token_pos, queries=win, tally=tally, reconstruction=rebuilt)
 
 
 @pytest.mark.parametrize("name", SELECTING)

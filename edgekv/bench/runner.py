@@ -358,6 +358,7 @@ def run_quality(grid: Grid, *, log: Callable[[str], None] | None = None) -> Path
     observe = max((get_method(m).queries_needed for m in methods), default=0)
     shifts = {m: get_method(m).shifts_positions for m in methods}
     tally = any(get_method(m).tallies for m in methods)
+    scratch = max((get_method(m).scratch_cells for m in methods), default=0)  # KVzip's repeat pass
     evals = _evals(methods, grid.ratios)
     protocol = "aware" if grid.query_aware else "agnostic"
     template = "chat" if grid.chat else "raw"
@@ -403,7 +404,7 @@ def run_quality(grid: Grid, *, log: Callable[[str], None] | None = None) -> Path
                 if sess_key != key:
                     if sess is not None:
                         sess.close()
-                    sess = Session(model, method="full", n_ctx=length + grid.eval_tokens + 64, chunk=512,
+                    sess = Session(model, method="full", n_ctx=length + grid.eval_tokens + 64 + scratch, chunk=512,
                                    cache_type_k=ct, cache_type_v=ct, flash_attn=grid.flash_attn,
                                    n_threads=grid.threads, observe=observe, tally=tally)
                     sess_key = key

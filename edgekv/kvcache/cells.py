@@ -35,16 +35,36 @@ class TokenMap:
     # tokens each tracked cell stands for after merges, float32 like token_pos; None: one each
     counts: np.ndarray | None = field(init=False, default=None)
     rot: np.ndarray | None = field(init=False, default=None)
+    # the token id at each token position decoded, -1 where unknown: what the cache's cells
+    # stand for as text (KVzip feeds the context back to the model); compactions keep it whole
+    ids: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
+        self.ids = np.full(0, -1, dtype=np.int32)
         self.token_pos = np.zeros((0, self.n_kv_head, 0), dtype=np.int32)
         self.counts = None
         self.rot = None
         self.n_cells = 0
         self.pos_shift = 0
+
+    def record(self, first: int, tokens: list[int]) -> None:
+        """Tokens decoded at token positions first, first + 1, ... (``ids``)."""
+        end = first + len(tokens)
+        if end > self.ids.shape[0]:
+            grown = np.full(max(end, 2 * self.ids.shape[0], 256), -1, dtype=np.int32)
+            grown[: self.ids.shape[0]] = self.ids
+            self.ids = grown
+        self.ids[first:end] = tokens
+
+    def token_ids(self, positions: np.ndarray) -> np.ndarray:
+        """int32 ids at these token positions, -1 where none was recorded."""
+        positions = np.asarray(positions)
+        inside = (positions >= 0) & (positions < self.ids.shape[0])
+        return np.where(inside, self.ids[np.clip(positions, 0, max(0, self.ids.shape[0] - 1))]
+                        if self.ids.shape[0] else -1, -1).astype(np.int32)
 
     def full(self, pos_sorted: np.ndarray, n_layer: int) -> np.ndarray:
         """int32 [n_layer, n_kv_head, n]: the tracked map extended by the cells decoded since."""

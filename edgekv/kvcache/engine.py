@@ -46,6 +46,7 @@ class CacheState:
     tally: np.ndarray | None = None  # float32 [rows, n_kv_head, n_cells], position order
     rot: np.ndarray | None = None  # int32 like token_pos: where each key is rotated, if not at token_pos
     pos_shift: int = 0  # token position - llama.cpp position of the cells decoded after the restore
+    ids: np.ndarray | None = None  # int32 token id per token position, -1 unknown (TokenMap.ids)
 
     @property
     def n_cells(self) -> int:

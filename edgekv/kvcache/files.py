@@ -14,7 +14,8 @@ anything touches the cache. Layout (version 4)::
     "window_q" and "window_pos" (the observation window; its size and layers in
     header["window"]), "tally" (H2O's accumulated attention), "rot" (where each
     key is rotated, once a context shift or renumbering moved it; header["pos_shift"]
-    maps the llama.cpp positions of later cells to token positions)
+    maps the llama.cpp positions of later cells to token positions), "ids" (the token
+    id at each token position, -1 unknown: the text the cells stand for)
     SHA-256 of every byte above (32 bytes)
 
 The digest is checked before anything else is read: a bit flip or splice inside
@@ -52,6 +53,8 @@ def _arrays(state: CacheState) -> dict[str, np.ndarray]:
         out["tally"] = state.tally.astype("<f4")
     if state.rot is not None:
         out["rot"] = state.rot.astype("<i4")
+    if state.ids is not None and state.ids.size:
+        out["ids"] = state.ids.astype("<i4")
     return out
 
 
@@ -151,6 +154,9 @@ def load_cache_file(path: str | Path, engine: str) -> tuple[CacheState, dict]:
         pos_shift = int(header.get("pos_shift", 0))
     except (TypeError, ValueError) as e:
         raise EdgekvError(f"{path}: session header is corrupt ({e})") from e
+    ids = arrays.get("ids")
+    if ids is not None and ids.ndim != 1:
+        raise EdgekvError(f"{path}: the saved token ids are not one row")
     state = CacheState(blob=blob, token_pos=token_pos, engine=engine, counts=counts, bias=bias, window=window,
-                       tally=arrays.get("tally"), rot=rot, pos_shift=pos_shift)
+                       tally=arrays.get("tally"), rot=rot, pos_shift=pos_shift, ids=ids)
     return state, header

@@ -72,6 +72,7 @@ class StateEngine:
         self.ctx.decode(tokens, start_pos, all_logits=all_logits, seq=self.seq)
         self._shift_pending = False
         self.tokens.n_cells += len(tokens)
+        self.tokens.record(start_pos + self.tokens.pos_shift, tokens)
         if self.window is None:
             return
         try:
@@ -346,6 +347,7 @@ class StateEngine:
         return CacheState(blob=blob, token_pos=token_pos, engine=self.name,
                           counts=self.tokens.full_counts(len(sec.layers), sec.n_cells),
                           rot=None if np.array_equal(rot, token_pos) else rot, pos_shift=self.tokens.pos_shift,
+                          ids=self.tokens.ids.copy(),
                           window=self.window.copy() if self.window is not None else None,
                           tally=(self.tally.scores.astype(np.float32)
                                  if self.tally is not None and self.tally.complete else None))
@@ -376,6 +378,8 @@ class StateEngine:
         self._shift_pending = False
         self.tokens.set(state.token_pos, state.counts, state.rot)
         self.tokens.pos_shift = state.pos_shift
+        self.tokens.ids = (np.asarray(state.ids, np.int32).copy() if state.ids is not None
+                           else np.full(0, -1, dtype=np.int32))
         if state.window is not None and self.window is None and "queries" in self.capabilities:
             # the state was recorded for an attention method: keep recording from it
             self.observe(state.window.size, tally=state.tally is not None)

@@ -18,6 +18,7 @@ from .context_shift import ContextShift
 from .full import Full
 from .h2o import H2O
 from .knorm import Knorm
+from .kvzip import KVzip
 from .lagkv import LagKV
 from .protokv import ProtoKV
 from .random import Random
@@ -28,7 +29,7 @@ from .streaming_llm import StreamingLLM
 METHODS: dict[str, type[Method]] = {
     cls.name: cls
     for cls in (Full, StreamingLLM, Knorm, Random, ContextShift, LagKV, SnapKV, ChunkKV, H2O, CompressKV,
-                ProtoKV, Chelsea, ChelseaNoBias)
+                ProtoKV, Chelsea, ChelseaNoBias, KVzip)
 }
 
 

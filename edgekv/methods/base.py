@@ -93,6 +93,12 @@ class Method:
         return False
 
     @property
+    def scratch_cells(self) -> int:
+        """Cells the method needs beside the session's capacity while it compresses (KVzip's
+        reconstruction pass); the Session allocates them with the context. 0: none."""
+        return 0
+
+    @property
     def queries_needed(self) -> int:
         """How many of the newest queries per layer the method reads (its observation
         window); the Session has the engine record them. 0: none."""

@@ -85,6 +85,10 @@ class KeyRerotation(Method):
     def queries_needed(self) -> int:
         return self.method.queries_needed
 
+    @property
+    def scratch_cells(self) -> int:
+        return self.method.scratch_cells
+
     def params(self) -> dict[str, object]:
         return {**self.method.params(), "rerotate": True, **({"rerotate_limit": self.limit} if self.limit else {})}
 
