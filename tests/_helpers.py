@@ -52,3 +52,13 @@ def run_cli(*args: str, stdin: str | None = None, timeout: float = 120) -> subpr
         env=env,
         check=False,
     )
+
+
+def random_keep(rng: np.random.Generator, L: int, H: int, n: int, b: int) -> np.ndarray:
+    """[L, H, b] ascending cells to keep: a different random set per (layer, head), always
+    with the newest 8 (a per-head compaction as the methods make them)."""
+    keep = np.empty((L, H, b), dtype=np.int64)
+    for li in range(L):
+        for h in range(H):
+            keep[li, h] = np.sort(np.concatenate([rng.choice(n - 8, b - 8, replace=False), np.arange(n - 8, n)]))
+    return keep

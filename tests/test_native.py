@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from _attention import captured_attention, reference_attention
 from _helpers import prefill, run_cli
+from _helpers import random_keep as _keep
 
 from edgekv.config import BudgetRule
 from edgekv.errors import EdgekvError
@@ -46,14 +47,6 @@ def _prefilled(model, toks: list[int], ck: str, cv: str, fa: str) -> tuple[Conte
     eng = NativeEngine(ctx)
     prefill(eng, toks)
     return ctx, eng
-
-
-def _keep(rng: np.random.Generator, L: int, H: int, n: int, b: int) -> np.ndarray:
-    keep = np.empty((L, H, b), dtype=np.int64)
-    for li in range(L):
-        for h in range(H):
-            keep[li, h] = np.sort(np.concatenate([rng.choice(n - 8, b - 8, replace=False), np.arange(n - 8, n)]))
-    return keep
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ import time
 import numpy as np
 import pytest
 from _helpers import CMD, prefill, run_cli
+from _helpers import random_keep as _keep
 
 from edgekv import rpc
 from edgekv.kvcache.native import NativeEngine
@@ -100,14 +101,6 @@ def test_the_model_and_its_cache_are_on_the_servers(smollm2, remote) -> None:
     local = _ctx(smollm2, "off")
     assert not any(k.startswith("RPC") for k in buffer_sizes(local.creation_log, "KV"))
     local.close()
-
-
-def _keep(rng: np.random.Generator, L: int, H: int, n: int, b: int) -> np.ndarray:
-    keep = np.empty((L, H, b), dtype=np.int64)
-    for li in range(L):
-        for h in range(H):
-            keep[li, h] = np.sort(np.concatenate([rng.choice(n - 8, b - 8, replace=False), np.arange(n - 8, n)]))
-    return keep
 
 
 def _run(model: Model, toks: list[int], fa: str) -> dict[str, object]:
