@@ -333,11 +333,6 @@ class Model(_Owned):
             raise ModelError("the model's chat template is not supported by llama.cpp's template engine")
         return buf.raw[:n].decode("utf-8", "replace")
 
-    @property
-    def offloaded(self) -> bool:
-        """Whether layers (and their KV cache) live on a device other than this CPU."""
-        return self.n_gpu_layers != 0
-
     def close(self) -> None:
         if getattr(self, "ptr", None) and getattr(self, "_owner", None) is None:
             lib().llama_model_free(self.ptr)

@@ -30,6 +30,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 import weakref
 from functools import cache
@@ -199,21 +200,26 @@ def start_server(port: int, *, host: str = "127.0.0.1", threads: int = 1, wait: 
                  **popen: object) -> subprocess.Popen:
     """Start an rpc-server and wait until it answers the handshake (tests and benchmarks
     run them on loopback). The caller stops it; ``popen`` goes to ``subprocess.Popen``."""
-    proc = subprocess.Popen([str(server_binary()), "-H", host, "-p", str(port), "-t", str(threads)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **popen)
-    deadline = time.monotonic() + wait
-    while True:
-        try:
-            probe(f"{host}:{port}", timeout=1.0)
-            return proc
-        except RpcError:
-            if proc.poll() is not None:
-                err = proc.stderr.read().decode(errors="replace").strip().splitlines() if proc.stderr else []
-                raise RpcError(f"rpc-server on {host}:{port} exited: {err[-1] if err else proc.returncode}") from None
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise RpcError(f"rpc-server on {host}:{port} did not answer within {wait:.0f} s") from None
-            time.sleep(0.1)
+    # stderr to a file, not a pipe: nobody drains a pipe while the server runs, and a full
+    # one would block the server's logging, and so the server
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen([str(server_binary()), "-H", host, "-p", str(port), "-t", str(threads)],
+                                stdout=subprocess.DEVNULL, stderr=err, **popen)
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                probe(f"{host}:{port}", timeout=1.0)
+                return proc
+            except RpcError:
+                if proc.poll() is not None:
+                    err.seek(0)
+                    lines = err.read().decode(errors="replace").strip().splitlines()
+                    raise RpcError(f"rpc-server on {host}:{port} exited: "
+                                   f"{lines[-1] if lines else proc.returncode}") from None
+                if time.monotonic() > deadline:
+                    proc.kill()
+                    raise RpcError(f"rpc-server on {host}:{port} did not answer within {wait:.0f} s") from None
+                time.sleep(0.1)
 
 
 def free_port() -> int:

@@ -61,10 +61,11 @@ class TokenMap:
 
     def token_ids(self, positions: np.ndarray) -> np.ndarray:
         """int32 ids at these token positions, -1 where none was recorded."""
-        positions = np.asarray(positions)
+        positions = np.asarray(positions, dtype=np.int64)
+        out = np.full(positions.shape, -1, dtype=np.int32)
         inside = (positions >= 0) & (positions < self.ids.shape[0])
-        return np.where(inside, self.ids[np.clip(positions, 0, max(0, self.ids.shape[0] - 1))]
-                        if self.ids.shape[0] else -1, -1).astype(np.int32)
+        out[inside] = self.ids[positions[inside]]
+        return out
 
     def full(self, pos_sorted: np.ndarray, n_layer: int) -> np.ndarray:
         """int32 [n_layer, n_kv_head, n]: the tracked map extended by the cells decoded since."""

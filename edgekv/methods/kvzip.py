@@ -154,6 +154,8 @@ class KVzip(ScorerMethod):
         try:
             starts = range(0, held.shape[0], size)
             for i, s0 in enumerate(starts):
+                if i:
+                    engine.restore(saved)  # the previous chunk's repeat tokens out
                 part = ids[s0 : s0 + size]
                 head = prompts[0] if i == 0 else prompts[1] + ids[max(0, s0 - PREVIOUS_TAIL) : s0].tolist()
                 rep = head + suffix + part.tolist()
@@ -167,7 +169,6 @@ class KVzip(ScorerMethod):
                     got = reconstruction_scores(q[row], q_pos, full.keys(row), full.pos, full.token_pos[row],
                                                 first_repeat, self.sinks, lo, hi, full.kq_scale)
                     scores[row] = np.maximum(scores[row], got[:, :n])
-                engine.restore(saved)
         finally:  # the window back to its size first, so the restore refills it whole
             engine.observe(window, tally=tally)
             engine.restore(saved)
