@@ -67,6 +67,8 @@ def main() -> int:
            "--n-ctx", str(a.n_ctx), "--max-live", str(a.max_live), "--port", str(port), "--temperature", "0",
            *(["--threads", str(a.threads)] if a.threads else [])]
     server = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    server_err: list[str] = []  # drained all along, so a chatty server never blocks on a full pipe
+    threading.Thread(target=lambda: server_err.extend(server.stderr), daemon=True).start()
     deadline = time.time() + 120
     while True:
         try:
@@ -74,7 +76,8 @@ def main() -> int:
             break
         except OSError:
             if server.poll() is not None or time.time() > deadline:
-                print(server.stderr.read(), file=sys.stderr)
+                time.sleep(0.5)
+                print("".join(server_err), file=sys.stderr)
                 raise SystemExit("the server did not start") from None
             time.sleep(0.2)
 
@@ -180,10 +183,24 @@ def main() -> int:
                    "max_cells": max((c["cells"] for c in stats["conversations"]), default=0),
                    "exit_code": code},
     }
-    ok = (answered == n * turns and not errors and abs(result["rss_mib"]["change_pct"]) <= 5.0
-          and totals["conversations"] == n and totals["active_requests"] == 0 and result["server"]["busy"] == 0
-          and totals["live"] <= a.max_live and result["server"]["max_cells"] <= a.n_ctx and code == 0)
-    result["ok"] = ok
+    checks = {
+        "every turn answered": answered == n * turns and not errors,
+        "RSS within 5 % of warm-up": abs(result["rss_mib"]["change_pct"]) <= 5.0,
+        "every conversation kept": totals["conversations"] == n,
+        "no request still active": totals["active_requests"] == 0,
+        "no conversation still busy": result["server"]["busy"] == 0,
+        "live within --max-live": totals["live"] <= a.max_live,
+        "cells within --n-ctx": result["server"]["max_cells"] <= a.n_ctx,
+        "server exited cleanly": code == 0,
+    }
+    failed = [name for name, passed in checks.items() if not passed]
+    ok = not failed
+    result["ok"], result["failed_checks"] = ok, failed
+    if failed:
+        print("failed: " + "; ".join(failed), file=sys.stderr)
+        if errors:
+            print("errors: " + "; ".join(errors[:5]), file=sys.stderr)
+        print("server stderr (tail):\n" + "".join(server_err)[-3000:], file=sys.stderr)
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1))
     else:

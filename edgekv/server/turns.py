@@ -190,6 +190,7 @@ class Worker:
         self._jobs: deque[Job] = deque()
         self._cv = threading.Condition()
         self._stopping = False
+        self._current: Job | None = None  # the turn being stepped
         self._thread = threading.Thread(target=self._run, name="edgekv-worker", daemon=True)
         self._thread.start()
 
@@ -202,7 +203,11 @@ class Worker:
 
     @property
     def active(self) -> int:
-        return len(self._jobs)
+        """Turns not yet ended: queued, plus the one being stepped. A turn stops counting
+        before its last event (done or error) is handed to its client, so a client that
+        reads the stats after its reply never sees its own turn still active."""
+        with self._cv:
+            return len(self._jobs) + (self._current is not None)
 
     def _run(self) -> None:
         while True:
@@ -211,29 +216,39 @@ class Worker:
                     self._cv.wait()
                 if self._stopping:
                     break
-                job = self._jobs.popleft()
-            if job.cancelled:
-                job.steps.close()
-                continue
-            try:
-                event = next(job.steps)
-            except StopIteration:
-                continue
-            except RequestError as e:
-                self._emit(job, ("error", e))
-                continue
-            except EdgekvError as e:
-                self._emit(job, ("error", RequestError(str(e))))
-                continue
-            except Exception as e:  # a bug: keep serving the others, report it
-                log.exception("turn failed")
-                self._emit(job, ("error", RequestError(f"internal error: {type(e).__name__}: {e}", status=500,
-                                                       kind="server_error")))
-                continue
-            if event is not None:
-                self._emit(job, event)
+                job = self._current = self._jobs.popleft()
+            last = self._step(job)
             with self._cv:
-                self._jobs.append(job)
+                self._current = None
+                if last is None:
+                    self._jobs.append(job)
+            if last:
+                self._emit(job, last)
+
+    def _step(self, job: Job) -> tuple[str, object] | None:
+        """Run one step of a turn; returns None while it goes on, else its last event
+        (an empty tuple when there is nothing left to tell)."""
+        if job.cancelled:
+            job.steps.close()
+            return ()
+        try:
+            event = next(job.steps)
+        except StopIteration:
+            return ()
+        except RequestError as e:
+            return ("error", e)
+        except EdgekvError as e:
+            return ("error", RequestError(str(e)))
+        except Exception as e:  # a bug: keep serving the others, report it
+            log.exception("turn failed")
+            return ("error", RequestError(f"internal error: {type(e).__name__}: {e}", status=500,
+                                          kind="server_error"))
+        if event is not None and event[0] == "done":
+            job.steps.close()  # the turn has accounted for itself; closing runs nothing more
+            return event
+        if event is not None:
+            self._emit(job, event)
+        return None
 
     def _emit(self, job: Job, event: tuple[str, object]) -> None:
         try:
