@@ -55,6 +55,8 @@ def verdict(info: ModelInfo) -> Verdict:
     if info.is_swa_model:
         notes.append("the sliding-window layers keep llama.cpp's own window; only the full-attention layers "
                      "are compressed, on the state engine (the native ops do not handle iSWA caches)")
+        notes.append("+rerotate and expected_attention are refused: the two kinds of layer rotate with "
+                     "two RoPE bases, which edgekv's host RoPE does not reproduce")
     if info.attn_logit_softcap:
         notes.append("attention-scored methods are refused: their scores would not model the logit "
                      "soft-capping")

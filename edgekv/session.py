@@ -132,6 +132,7 @@ class Session:
         method_params: dict[str, object] | None = None,
         observe: int = 0,
         tally: bool = False,
+        moments: bool = False,
         on_compress: CompressFn | None = None,
         options: ContextOptions | None = None,
         rule: BudgetRule | None = None,
@@ -142,8 +143,9 @@ class Session:
         (method, budget, ratio, n_ctx, method_params) a ``BudgetRule``; callers that built
         those already (the CLI, the server, the benchmarks) pass ``options`` and ``rule``
         instead. ``observe``: record the newest queries of that many tokens from the start,
-        and ``tally``: the attention every cell accumulates (H2O), for attention methods a
-        later ``use`` switches to (a method given here records what it needs by itself).
+        ``tally``: the attention every cell accumulates (H2O), and ``moments``: the statistics
+        of every query before RoPE (Expected Attention), for attention methods a later ``use``
+        switches to (a method given here records what it needs by itself).
         ``on_compress`` is called after every compression."""
         if isinstance(model, Model):
             self.model = model
@@ -180,8 +182,8 @@ class Session:
         self.n_past = 0  # next position to decode at (pos_max + 1)
         self._sampler: Sampler | None = None
         self._has_logits = False
-        if observe or tally:
-            self.engine.observe(max(observe, 1), tally=tally)
+        if observe or tally or moments:
+            self.engine.observe(max(observe, 1), tally=tally, moments=moments)
         self.apply(rule, first)
 
     def use(self, method: str | Method, *, budget: int | None = None, ratio: float | None = None,
@@ -205,9 +207,11 @@ class Session:
         method.attach(self.model.info)
         window = self.engine.window
         size = window.size if window is not None else 0
-        if method.queries_needed > size or (method.tallies and self.engine.tally is None):
+        eng = self.engine
+        if (method.queries_needed > size or (method.tallies and eng.tally is None)
+                or (method.query_statistics and eng.moments is None)):
             # records from the next decoded token on
-            self.engine.observe(max(size, method.queries_needed), tally=method.tallies or self.engine.tally is not None)
+            eng.observe(max(size, method.queries_needed, 1), tally=method.tallies, moments=method.query_statistics)
         method.bind(rule)
         self.rule = rule
         self.method = method

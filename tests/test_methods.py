@@ -8,7 +8,8 @@ import pytest
 
 from edgekv.errors import BudgetError, EdgekvError
 from edgekv.kvcache.cells import check_keep
-from edgekv.kvcache.queries import QueryWindow
+from edgekv.kvcache.queries import QueryMoments, QueryWindow
+from edgekv.kvcache.rope import ROPE_NEOX, Rope
 from edgekv.kvcache.snapshot import KVSnapshot
 from edgekv.methods import METHODS
 from edgekv.methods import get_method as _get_method
@@ -40,7 +41,10 @@ def snapshot(seed: int = 0, n: int = N, token_pos: np.ndarray | None = None) -> 
     win = QueryWindow(64, tuple(range(L)), q, np.arange(n - 64, n, dtype=np.int32))
     tally = rng.exponential(1.0, (L, H, n))  # H2O's accumulated attention
     rebuilt = rng.random((L, H, n))  # KVzip's reconstruction scores
-    return KVSnapshot.from_arrays(keys, values, token_pos, queries=win, tally=tally, reconstruction=rebuilt)
+    moments = QueryMoments.zeros(Rope(ROPE_NEOX, D, 10000.0, 1.0), tuple(range(L)), frozenset(), 2 * H, D)
+    moments.add(q, np.arange(n - 64, n), np.arange(n - 64, n))  # Expected Attention's statistics
+    return KVSnapshot.from_arrays(keys, values, token_pos, queries=win, tally=tally, reconstruction=rebuilt,
+                                  moments=moments)
 
 
 @pytest.mark.parametrize("name", SELECTING)

@@ -358,6 +358,7 @@ def run_quality(grid: Grid, *, log: Callable[[str], None] | None = None) -> Path
     observe = max((get_method(m).queries_needed for m in methods), default=0)
     shifts = {m: get_method(m).shifts_positions for m in methods}
     tally = any(get_method(m).tallies for m in methods)
+    moments = any(get_method(m).query_statistics for m in methods)
     scratch = max((get_method(m).scratch_cells for m in methods), default=0)  # KVzip's repeat pass
     evals = _evals(methods, grid.ratios)
     protocol = "aware" if grid.query_aware else "agnostic"
@@ -406,7 +407,7 @@ def run_quality(grid: Grid, *, log: Callable[[str], None] | None = None) -> Path
                         sess.close()
                     sess = Session(model, method="full", n_ctx=length + grid.eval_tokens + 64 + scratch, chunk=512,
                                    cache_type_k=ct, cache_type_v=ct, flash_attn=grid.flash_attn,
-                                   n_threads=grid.threads, observe=observe, tally=tally)
+                                   n_threads=grid.threads, observe=observe, tally=tally, moments=moments)
                     sess_key = key
                 frame = tasks.chat_frame(model) if grid.chat and task != "ppl" else None
                 sep = tasks.turn_separator(model) if grid.chat and task == "multiturn" else None

@@ -22,7 +22,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .queries import AttentionTally, QueryWindow
+from .queries import AttentionTally, QueryMoments, QueryWindow
 from .snapshot import KVSnapshot
 
 
@@ -47,6 +47,7 @@ class CacheState:
     rot: np.ndarray | None = None  # int32 like token_pos: where each key is rotated, if not at token_pos
     pos_shift: int = 0  # token position - llama.cpp position of the cells decoded after the restore
     ids: np.ndarray | None = None  # int32 token id per token position, -1 unknown (TokenMap.ids)
+    moments: QueryMoments | None = None  # pre-RoPE query statistics, when the engine keeps them
 
     @property
     def n_cells(self) -> int:
@@ -68,6 +69,7 @@ class KVEngine(Protocol):
     # K and V) and drop the sources; with ``bias`` attention adds log(count) (native engine only)
     window: QueryWindow | None  # the observation window, while ``observe`` keeps one
     tally: AttentionTally | None  # accumulated attention, while ``observe(..., tally=True)`` keeps one
+    moments: QueryMoments | None  # pre-RoPE query statistics, while ``observe(..., moments=True)`` keeps them
 
     @property
     def n_cells(self) -> int: ...
@@ -88,6 +90,6 @@ class KVEngine(Protocol):
 
     def renumber(self) -> int: ...
 
-    def observe(self, size: int, *, tally: bool = False) -> None: ...
+    def observe(self, size: int, *, tally: bool = False, moments: bool = False) -> None: ...
 
     def merge(self, src: np.ndarray, dst: np.ndarray, *, bias: bool) -> None: ...

@@ -9,13 +9,16 @@ anything touches the cache. Layout (version 4)::
     token map  int32 little-endian, header["token_pos_shape"]
     llama.cpp's sequence blob, header["blob_len"] bytes
     then each array of header["arrays"] in order, little-endian, as
-    {"name", "dtype" ("f4"/"i4"), "shape"}: "counts" (how many tokens each merged
+    {"name", "dtype" ("f4"/"i4"/"f8"), "shape"}: "counts" (how many tokens each merged
     cell stands for; header["bias"] says whether attention adds their log),
     "window_q" and "window_pos" (the observation window; its size and layers in
     header["window"]), "tally" (H2O's accumulated attention), "rot" (where each
     key is rotated, once a context shift or renumbering moved it; header["pos_shift"]
     maps the llama.cpp positions of later cells to token positions), "ids" (the token
-    id at each token position, -1 unknown: the text the cells stand for)
+    id at each token position, -1 unknown: the text the cells stand for),
+    "moments_total" and "moments_outer" (float64 sums of the pre-RoPE queries and of their
+    outer products; the count, the skipped first positions and the layers in
+    header["moments"]: Expected Attention's statistics)
     SHA-256 of every byte above (32 bytes)
 
 The digest is checked before anything else is read: a bit flip or splice inside
@@ -35,11 +38,12 @@ import numpy as np
 
 from ..errors import EdgekvError
 from .engine import CacheState
-from .queries import QueryWindow
+from .queries import QueryMoments, QueryWindow
 
 MAGIC = b"EDGEKV\x00\x01"
 VERSION = 4
 DIGEST = 32  # bytes of the SHA-256 trailer
+ITEM_SIZE = {"f4": 4, "i4": 4, "f8": 8}  # the array types a session file holds
 
 
 def _arrays(state: CacheState) -> dict[str, np.ndarray]:
@@ -51,6 +55,9 @@ def _arrays(state: CacheState) -> dict[str, np.ndarray]:
         out["window_pos"] = state.window.pos.astype("<i4")
     if state.tally is not None:
         out["tally"] = state.tally.astype("<f4")
+    if state.moments is not None:  # sums: float64, so a resumed session predicts as the live one
+        out["moments_total"] = state.moments.total.astype("<f8")
+        out["moments_outer"] = state.moments.outer.astype("<f8")
     if state.rot is not None:
         out["rot"] = state.rot.astype("<i4")
     if state.ids is not None and state.ids.size:
@@ -66,6 +73,9 @@ def save_cache_file(path: str | Path, state: CacheState, header: dict) -> None:
               "arrays": [{"name": k, "dtype": a.dtype.str[1:], "shape": list(a.shape)} for k, a in arrays.items()]}
     if state.window is not None:
         header["window"] = {"size": state.window.size, "layers": list(state.window.layers)}
+    if state.moments is not None:
+        header["moments"] = {"count": state.moments.count, "skip": state.moments.skip,
+                             "layers": list(state.moments.layers)}
     hb = json.dumps(header).encode()
     parts = [MAGIC + len(hb).to_bytes(4, "little") + hb, state.token_pos.astype("<i4").tobytes(), state.blob,
              *(a.tobytes() for a in arrays.values())]
@@ -112,13 +122,19 @@ def load_cache_file(path: str | Path, engine: str) -> tuple[CacheState, dict]:
             raise EdgekvError(f"{path}: session file version {version} is not supported")
         shape = tuple(int(x) for x in header["token_pos_shape"])
         blob_len = int(header["blob_len"])
-        sizes = [int(np.prod(s["shape"])) * 4 for s in specs]
-        if any(s["dtype"] not in ("f4", "i4") for s in specs) or min([blob_len, *shape, *sizes]) < 0:
+        if any(s["dtype"] not in ITEM_SIZE for s in specs):
+            raise ValueError("unknown array type")
+        sizes = [int(np.prod(s["shape"])) * ITEM_SIZE[s["dtype"]] for s in specs]
+        if min([blob_len, *shape, *sizes]) < 0:
             raise ValueError("unknown array type or negative size")
         window_spec = header.get("window")
         if any(s["name"] == "window_q" for s in specs):
             window_size = int(window_spec["size"])
             window_layers = tuple(int(x) for x in window_spec["layers"])
+        moments_spec = header.get("moments")
+        if any(s["name"] == "moments_total" for s in specs):
+            moments_at = (int(moments_spec["count"]), int(moments_spec["skip"]),
+                          tuple(int(x) for x in moments_spec["layers"]))
     except (ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
         raise EdgekvError(f"{path}: session header is corrupt or truncated ({e})") from e
     off = 12 + hl
@@ -131,7 +147,7 @@ def load_cache_file(path: str | Path, engine: str) -> tuple[CacheState, dict]:
     arrays: dict[str, np.ndarray] = {}
     for spec, size in zip(specs, sizes, strict=True):
         a = np.frombuffer(data[end : end + size], dtype="<" + spec["dtype"]).reshape(spec["shape"])
-        arrays[spec["name"]] = a.astype(np.float32 if spec["dtype"] == "f4" else np.int32)
+        arrays[spec["name"]] = a.astype({"f4": np.float32, "f8": np.float64, "i4": np.int32}[spec["dtype"]])
         end += size
     window = None
     if "window_q" in arrays:
@@ -140,6 +156,14 @@ def load_cache_file(path: str | Path, engine: str) -> tuple[CacheState, dict]:
                 or len(window_layers) != q.shape[0] or window_size < 1):
             raise EdgekvError(f"{path}: the saved query window is inconsistent")
         window = QueryWindow(window_size, window_layers, q, pos)
+    moments = None
+    if "moments_total" in arrays:
+        total, outer = arrays["moments_total"], arrays.get("moments_outer")
+        count, skip, layers = moments_at
+        if (outer is None or total.ndim != 3 or outer.shape != total.shape + total.shape[2:]
+                or len(layers) != total.shape[0] or count < 0 or skip < 0):
+            raise EdgekvError(f"{path}: the saved query statistics are inconsistent")
+        moments = QueryMoments(None, layers, frozenset(), total, outer, count, skip)
     counts, bias = arrays.get("counts"), bool(header.get("bias", False))
     if "bias" in arrays:  # versions 1 and 2 kept the log of the counts, always applied
         counts, bias = np.exp(arrays["bias"]).round().astype(np.float32), True
@@ -158,5 +182,5 @@ def load_cache_file(path: str | Path, engine: str) -> tuple[CacheState, dict]:
     if ids is not None and ids.ndim != 1:
         raise EdgekvError(f"{path}: the saved token ids are not one row")
     state = CacheState(blob=blob, token_pos=token_pos, engine=engine, counts=counts, bias=bias, window=window,
-                       tally=arrays.get("tally"), rot=rot, pos_shift=pos_shift, ids=ids)
+                       tally=arrays.get("tally"), rot=rot, pos_shift=pos_shift, ids=ids, moments=moments)
     return state, header

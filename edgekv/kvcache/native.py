@@ -34,7 +34,7 @@ from .cells import (
     merged_counts,
 )
 from .engine import CacheState
-from .queries import AttentionTally, QueryWindow
+from .queries import AttentionTally, QueryMoments, QueryWindow
 from .snapshot import KVSnapshot, hadamard, unrotate
 from .state import StateEngine
 
@@ -258,8 +258,8 @@ class NativeEngine:
             self.bias_set(bias, cell_order=True)
         return delta
 
-    def observe(self, size: int, *, tally: bool = False) -> None:
-        self._portable.observe(size, tally=tally)
+    def observe(self, size: int, *, tally: bool = False, moments: bool = False) -> None:
+        self._portable.observe(size, tally=tally, moments=moments)
 
     @property
     def window(self) -> QueryWindow | None:
@@ -268,6 +268,10 @@ class NativeEngine:
     @property
     def tally(self) -> AttentionTally | None:
         return self._portable.tally
+
+    @property
+    def moments(self) -> QueryMoments | None:
+        return self._portable.moments
 
     def _device_attention(self, q: np.ndarray, q_pos: np.ndarray) -> np.ndarray:
         try:
@@ -286,6 +290,7 @@ class NativeEngine:
             queries=self.window.copy() if self.window is not None else None,
             kq_scale=self.ctx.model.info.kq_scale,
             tally=self.tally.scores.copy() if self.tally is not None and self.tally.complete else None,
+            moments=self.moments.copy() if self.moments is not None else None,
             counts=self.tokens.full_counts(self.n_layer, n), bias=self._biased,
             engine=self, gen=self._gen, order=order, in_order=bool(np.all(order == np.arange(n))))
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from ..capture import Capture
 from ..errors import EdgekvError
+from .rope import Rope
 
 
 class QueryWindow:
@@ -109,6 +110,89 @@ class QueryWindow:
         m = min(n, self._count)
         order = self._order()[self._count - m:]
         return self._q[:, :, order], self._pos[order]
+
+
+class QueryMoments:
+    """Running first and second moments of every recorded query *before* RoPE, per
+    compressible layer and query head: what Expected Attention predicts future queries
+    from.
+
+    llama.cpp hands over post-RoPE queries; each is rotated back by its own position
+    (``rope``; rows in ``nope_rows``, layers built without RoPE, are taken as they are).
+    Queries of the first ``skip`` token positions are left out: attention sinks' queries
+    are outliers (kvpress drops them too). Unrotated queries carry no position, so
+    compactions, shifts and renumbering leave the moments valid; memory is
+    O(rows x heads x d^2) however long the context. ``total`` float64 [rows, n_head, d],
+    ``outer`` float64 [rows, n_head, d, d] (sums of q q^T), ``count`` queries summed.
+    """
+
+    SKIP = 4  # kvpress's n_sink
+
+    def __init__(self, rope: Rope | None, layers: tuple[int, ...], nope_rows: frozenset[int], total: np.ndarray,
+                 outer: np.ndarray, count: int, skip: int = SKIP) -> None:
+        self.rope, self.layers, self.nope_rows, self.skip = rope, tuple(layers), frozenset(nope_rows), int(skip)
+        self.total = np.asarray(total, np.float64)
+        self.outer = np.asarray(outer, np.float64)
+        self.count = int(count)
+
+    @classmethod
+    def zeros(cls, rope: Rope, layers: tuple[int, ...], nope_rows: frozenset[int], n_head: int,
+              head_dim: int) -> QueryMoments:
+        return cls(rope, layers, nope_rows, np.zeros((len(layers), n_head, head_dim)),
+                   np.zeros((len(layers), n_head, head_dim, head_dim)), 0)
+
+    def add(self, q: np.ndarray, pos: np.ndarray, token_pos: np.ndarray) -> None:
+        """Add one decode's post-RoPE queries ``q`` [rows, n_head, m, d], rotated at llama
+        positions ``pos`` [m], of the tokens at ``token_pos`` [m]."""
+        use = np.asarray(token_pos) >= self.skip
+        if not use.any():
+            return
+        pre = np.asarray(q, np.float32)[:, :, use]
+        roped = [r for r in range(pre.shape[0]) if r not in self.nope_rows]
+        if roped:
+            if self.rope is None:
+                raise EdgekvError("these query statistics were loaded without the model's RoPE "
+                                  "(restore them into an engine)")
+            back = -np.asarray(pos, np.int64)[use]
+            pre[roped] = self.rope.rotate(pre[roped], np.broadcast_to(back, (len(roped),) + pre.shape[1:3]))
+        self.total += pre.sum(axis=2, dtype=np.float64)
+        self.outer += np.matmul(pre.transpose(0, 1, 3, 2), pre).astype(np.float64)
+        self.count += int(use.sum())
+
+    def mean_cov(self, row: int) -> tuple[np.ndarray, np.ndarray]:
+        """(mean [n_head, d], covariance [n_head, d, d]) of the pre-RoPE queries of one row,
+        the population covariance (divided by the count), as kvpress takes it."""
+        if self.count == 0:
+            raise EdgekvError("no queries were recorded beyond the first tokens: Expected Attention "
+                              "needs the statistics of the queries it predicts from")
+        mu = self.total[row] / self.count
+        return mu, self.outer[row] / self.count - mu[:, :, None] * mu[:, None, :]
+
+    def future_rotation(self, row: int, first: int, n: int) -> np.ndarray:
+        """float64 [d, d]: RoPE's rotation averaged over the llama positions first..first+n-1
+        (the identity for a row without RoPE), R with R q the rotation of a column q."""
+        d = self.total.shape[2]
+        if row in self.nope_rows:
+            return np.eye(d)
+        if self.rope is None:
+            raise EdgekvError("these query statistics were loaded without the model's RoPE (restore them into an engine)")
+        return self.rope.mean_rotation(first, n, d)
+
+    def clear(self) -> None:
+        self.total[:] = 0.0
+        self.outer[:] = 0.0
+        self.count = 0
+
+    def load(self, saved: QueryMoments) -> None:
+        """Take a saved state's sums (a session file carries no RoPE: this engine's stays)."""
+        if saved.layers != self.layers or saved.total.shape != self.total.shape:
+            raise EdgekvError("saved query statistics do not match this model's layers and heads")
+        self.total, self.outer = saved.total.copy(), saved.outer.copy()
+        self.count, self.skip = saved.count, saved.skip
+
+    def copy(self) -> QueryMoments:
+        return QueryMoments(self.rope, self.layers, self.nope_rows, self.total.copy(), self.outer.copy(),
+                            self.count, self.skip)
 
 
 class AttentionTally:

@@ -35,16 +35,27 @@ class Rope:
     freq_scale: float
 
     @classmethod
-    def of(cls, model: Model) -> Rope:
-        """The model's RoPE, or a one-line error for the variants this module does not reproduce
-        (read once per model)."""
+    def of(cls, model: Model, use: str = "re-rotating keys",
+           instead: str = "run without position re-indexing") -> Rope:
+        """The model's RoPE (read once per model), or a one-line error for the variants this
+        module does not reproduce, saying which ``use`` needed it and what to do ``instead``."""
         cached = model.__dict__.get("_edgekv_rope")
         if cached is None:
-            cached = model.__dict__["_edgekv_rope"] = cls._read(model)
+            read = cls._read(model)
+            if isinstance(read, str):
+                raise EdgekvError(f"{use} is not supported for {model.arch.name} ({read}); {instead}")
+            cached = model.__dict__["_edgekv_rope"] = read
         return cached
 
     @classmethod
-    def _read(cls, model: Model) -> Rope:
+    def unsupported(cls, model: Model) -> str | None:
+        """Why this module does not reproduce the model's RoPE, or None when it does."""
+        read = cls._read(model)
+        return read if isinstance(read, str) else None
+
+    @classmethod
+    def _read(cls, model: Model) -> Rope | str:
+        """The model's RoPE, or why this module does not reproduce it."""
         from ..gguf_info import read_gguf_header
         from ..llama import lib
 
@@ -61,16 +72,15 @@ class Rope:
         elif float(model.meta(f"{arch.name}.rope.scaling.attn_factor") or 1.0) != 1.0:
             why = "a RoPE attention factor"
         if why:
-            raise EdgekvError(f"re-rotating keys is not supported for {arch.name} ({why}); "
-                              "run without position re-indexing")
+            return why
         n_rot = int(model.meta(f"{arch.name}.rope.dimension_count") or arch.head_dim_k)
         base = float(model.meta(f"{arch.name}.rope.freq_base") or 10000.0)
         scale = float(lib().llama_model_rope_freq_scale_train(model.ptr))
         return cls(arch.rope_type, n_rot, base, scale)
 
-    def rotate(self, k: np.ndarray, delta: np.ndarray) -> np.ndarray:
-        """Keys ``k`` float32 [..., n, head_dim] moved by ``delta`` int [..., n] positions."""
-        k = np.array(k, np.float32)
+    def angles(self, delta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(cos, sin) float32 [..., n_rot / 2] of the rotation by ``delta`` positions, pair by
+        pair, computed as ggml's CPU rope does."""
         half = self.n_rot // 2
         theta_scale = np.float32(self.freq_base) ** np.float32(-2.0 / self.n_rot)
         theta = np.asarray(delta, np.float32)[..., None].repeat(half, axis=-1)
@@ -80,13 +90,33 @@ class Rope:
         # cos/sin in float64, rounded once: what libm's cosf/sinf give ggml, whatever SIMD
         # kernels numpy's float32 cos/sin dispatch to on this CPU
         t = theta.astype(np.float64)
-        cos, sin = np.cos(t).astype(np.float32), np.sin(t).astype(np.float32)
+        return np.cos(t).astype(np.float32), np.sin(t).astype(np.float32)
+
+    def pairs(self) -> tuple[slice, slice]:
+        """The channels each rotation pair takes its first and second member from."""
         if self.mode == ROPE_NORM:
-            x0, x1 = k[..., 0 : self.n_rot : 2].copy(), k[..., 1 : self.n_rot : 2].copy()
-            k[..., 0 : self.n_rot : 2] = x0 * cos - x1 * sin
-            k[..., 1 : self.n_rot : 2] = x0 * sin + x1 * cos
-        else:
-            x0, x1 = k[..., :half].copy(), k[..., half : self.n_rot].copy()
-            k[..., :half] = x0 * cos - x1 * sin
-            k[..., half : self.n_rot] = x0 * sin + x1 * cos
+            return slice(0, self.n_rot, 2), slice(1, self.n_rot, 2)
+        return slice(0, self.n_rot // 2), slice(self.n_rot // 2, self.n_rot)
+
+    def rotate(self, k: np.ndarray, delta: np.ndarray) -> np.ndarray:
+        """Keys ``k`` float32 [..., n, head_dim] moved by ``delta`` int [..., n] positions."""
+        k = np.array(k, np.float32)
+        cos, sin = self.angles(delta)
+        a, b = self.pairs()
+        x0, x1 = k[..., a].copy(), k[..., b].copy()
+        k[..., a] = x0 * cos - x1 * sin
+        k[..., b] = x0 * sin + x1 * cos
         return k
+
+    def mean_rotation(self, first: int, n: int, head_dim: int) -> np.ndarray:
+        """float64 [head_dim, head_dim]: the rotation R(p) (column vectors, R q = the rotated
+        q) averaged over the positions first..first+n-1; channels past ``n_rot`` stay put."""
+        cos, sin = self.angles(np.arange(first, first + n))
+        c, s = cos.astype(np.float64).mean(axis=0), sin.astype(np.float64).mean(axis=0)
+        a, b = self.pairs()
+        idx = np.arange(head_dim)
+        ia, ib = idx[a], idx[b]
+        r = np.eye(head_dim)
+        r[ia, ia], r[ib, ib] = c, c
+        r[ia, ib], r[ib, ia] = -s, s
+        return r

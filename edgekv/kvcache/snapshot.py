@@ -26,7 +26,7 @@ import numpy as np
 from ..errors import EdgekvError
 from . import layout
 from .quant import dequantize
-from .queries import QueryWindow, window_attention
+from .queries import QueryMoments, QueryWindow, window_attention
 
 
 @dataclass
@@ -58,6 +58,8 @@ class KVSnapshot:
     kq_scale: float = 0.0
     # H2O's accumulated attention per (layer, KV head, cell), when the engine tallies it
     tally: np.ndarray | None = None
+    # statistics of every recorded query before RoPE (Expected Attention), when the engine keeps them
+    moments: QueryMoments | None = None
     # KVzip's scores per (layer, KV head, cell): the most attention each cell got while the
     # model repeated the context (set by ``KVzip.compress`` from its reconstruction pass)
     reconstruction: np.ndarray | None = None
@@ -75,7 +77,8 @@ class KVSnapshot:
     def from_arrays(cls, keys: list[np.ndarray], values: list[np.ndarray],
                     token_pos: np.ndarray | None = None, queries: QueryWindow | None = None,
                     kq_scale: float = 0.0, tally: np.ndarray | None = None,
-                    counts: np.ndarray | None = None, reconstruction: np.ndarray | None = None) -> KVSnapshot:
+                    counts: np.ndarray | None = None, reconstruction: np.ndarray | None = None,
+                    moments: QueryMoments | None = None) -> KVSnapshot:
         """A snapshot of given float K/V ([n, H, d] per layer)."""
         n, h, dk = keys[0].shape
         dv = values[0].shape[2]
@@ -83,7 +86,7 @@ class KVSnapshot:
             token_pos = np.broadcast_to(np.arange(n, dtype=np.int32), (len(keys), h, n)).copy()
         return cls(pos=np.arange(n, dtype=np.int32), token_pos=token_pos, n_kv_head=h, head_dim_k=dk,
                    head_dim_v=dv, queries=queries, kq_scale=kq_scale or 1.0 / np.sqrt(dk), tally=tally,
-                   reconstruction=reconstruction,
+                   reconstruction=reconstruction, moments=moments,
                    counts=None if counts is None else np.asarray(counts, np.float32),
                    _k={i: np.asarray(k, np.float32) for i, k in enumerate(keys)},
                    _v={i: np.asarray(v, np.float32) for i, v in enumerate(values)})

@@ -26,7 +26,7 @@ from .cells import (
 )
 from .engine import CacheState
 from .quant import dequantize, quantize, row_size
-from .queries import AttentionTally, QueryWindow, window_attention
+from .queries import AttentionTally, QueryMoments, QueryWindow, window_attention
 from .rope import Rope
 from .snapshot import HostSnapshot, KVSnapshot, unrotate
 
@@ -53,6 +53,7 @@ class StateEngine:
         self.layers = ctx.model.info.global_layers if self.n_caches > 1 else tuple(range(arch.n_layer))
         self.window: QueryWindow | None = None
         self.tally: AttentionTally | None = None
+        self.moments: QueryMoments | None = None  # pre-RoPE query statistics (Expected Attention)
         # how a decode's queries become attention over the cells (the native engine puts its device op here)
         self.attention = self.host_attention
         # "merge": numpy over the blob; "queries": the context's tensor capture can record
@@ -76,9 +77,13 @@ class StateEngine:
         if self.window is None:
             return
         try:
-            q = self.window.record(self.ctx.capture, start_pos, len(tokens), want_all=self.tally is not None)
+            every = self.tally is not None or self.moments is not None
+            q = self.window.record(self.ctx.capture, start_pos, len(tokens), want_all=every)
+            at = np.arange(start_pos, start_pos + len(tokens), dtype=np.int32)
             if self.tally is not None:
-                self.tally.add(self.attention(q, np.arange(start_pos, start_pos + len(tokens), dtype=np.int32)))
+                self.tally.add(self.attention(q, at))
+            if self.moments is not None:
+                self.moments.add(q, at, at + self.tokens.pos_shift)
         except Exception:
             # the cells are in; what was recorded of them is not trustworthy
             self.window.clear()
@@ -98,17 +103,19 @@ class StateEngine:
         return np.stack([window_attention(q[r], q_pos, snap.keys(r), snap.pos, snap.kq_scale, snap.log_counts(r))
                          for r in range(snap.n_layer)])
 
-    def observe(self, size: int, *, tally: bool = False) -> None:
-        """Keep the post-RoPE queries of the newest ``size`` decoded tokens (0: stop), and
-        with ``tally`` the attention every cell accumulates from every later query (H2O).
+    def observe(self, size: int, *, tally: bool = False, moments: bool = False) -> None:
+        """Keep the post-RoPE queries of the newest ``size`` decoded tokens (0: stop), with
+        ``tally`` the attention every cell accumulates from every later query (H2O), and
+        with ``moments`` the statistics of every query before RoPE (Expected Attention).
 
         Only tokens decoded from now on are recorded (cells already there tally zero);
-        a larger window keeps what it has."""
+        a larger window keeps what it has, and a tally or moments already kept stay."""
         if size <= 0:
             if self.window is not None:
                 self.ctx.capture.want("Qcur", self.layers, on=False)
             self.window = None
             self.tally = None
+            self.moments = None
             return
         if "queries" not in self.capabilities:
             raise EdgekvError("this context has no tensor capture to record queries "
@@ -123,6 +130,7 @@ class StateEngine:
         if info.positions == "alibi":
             raise EdgekvError("attention-scored methods do not model ALiBi's distance bias "
                               f"({info.arch}); use an attention-free method")
+        stats = self._new_moments() if moments and self.moments is None else None  # may refuse: before any change
         if self.window is None:
             arch = self.ctx.model.arch
             self.ctx.capture.want("Qcur", self.layers)
@@ -131,6 +139,19 @@ class StateEngine:
             self.window = self.window.resized(size)
         if tally and self.tally is None:
             self.tally = AttentionTally.zeros(len(self.layers), self.n_kv_head, self.n_cells)
+        if stats is not None:
+            self.moments = stats
+
+    def _new_moments(self) -> QueryMoments:
+        """Empty query statistics; a model whose queries carry no rotation (learned or no
+        positions) needs none undone, one whose RoPE edgekv does not reproduce is refused."""
+        model = self.ctx.model
+        if model.arch.rope_type < 0:
+            return QueryMoments.zeros(None, self.layers, frozenset(range(len(self.layers))), model.arch.n_head,
+                                      self.head_dim_k)
+        rope = Rope.of(model, "recording queries before RoPE (Expected Attention)", "use another method")
+        rows = frozenset(r for r, il in enumerate(self.layers) if il in model.info.nope_layers)
+        return QueryMoments.zeros(rope, self.layers, rows, model.arch.n_head, self.head_dim_k)
 
     def shift(self, n_keep: int, n_discard: int) -> int:
         """llama.cpp's context shift on this sequence: drop cells n_keep..n_keep+n_discard-1
@@ -210,6 +231,8 @@ class StateEngine:
             self.window.clear()
         if self.tally is not None:
             self.tally.clear()
+        if self.moments is not None:
+            self.moments.clear()
 
     def _writable(self) -> None:
         if self._shift_pending:
@@ -260,6 +283,7 @@ class StateEngine:
             queries=self.window.copy() if self.window is not None else None,
             kq_scale=self.ctx.model.info.kq_scale,
             tally=self.tally.scores.copy() if self.tally is not None and self.tally.complete else None,
+            moments=self.moments.copy() if self.moments is not None else None,
             counts=self.tokens.full_counts(len(sec.layers), sec.n_cells),
             section=sec,
             order=order,
@@ -350,7 +374,8 @@ class StateEngine:
                           ids=self.tokens.ids.copy(),
                           window=self.window.copy() if self.window is not None else None,
                           tally=(self.tally.scores.astype(np.float32)
-                                 if self.tally is not None and self.tally.complete else None))
+                                 if self.tally is not None and self.tally.complete else None),
+                          moments=self.moments.copy() if self.moments is not None else None)
 
     def restore(self, state: CacheState) -> None:
         # Validate before handing llama.cpp anything: it would replace the
@@ -366,6 +391,9 @@ class StateEngine:
             raise StateLayoutError("saved query window does not match this model's layers")
         if state.tally is not None and state.tally.shape != (len(self.layers), self.n_kv_head, state.n_cells):
             raise StateLayoutError("saved attention tally does not match the saved cells")
+        if state.moments is not None and (state.moments.layers != self.layers
+                                          or state.moments.total.shape[2] != self.head_dim_k):
+            raise StateLayoutError("saved query statistics do not match this model's layers")
         if state.counts is not None and (state.counts.shape != state.token_pos.shape
                                          or not np.all(np.isfinite(state.counts) & (state.counts >= 1))):
             raise StateLayoutError("saved merge counts do not match the saved cells or are not counts (>= 1)")
@@ -382,7 +410,7 @@ class StateEngine:
                            else np.full(0, -1, dtype=np.int32))
         if state.window is not None and self.window is None and "queries" in self.capabilities:
             # the state was recorded for an attention method: keep recording from it
-            self.observe(state.window.size, tally=state.tally is not None)
+            self.observe(state.window.size, tally=state.tally is not None, moments=state.moments is not None)
         if self.window is not None:  # an observing engine takes the saved queries (none: empty)
             w = self.window
             self.window = (state.window.resized(w.size) if state.window is not None
@@ -390,3 +418,7 @@ class StateEngine:
         if self.tally is not None:  # a tallying engine takes the saved tally (none: zeros)
             self.tally = (AttentionTally(state.tally) if state.tally is not None
                           else AttentionTally.zeros(len(self.layers), self.n_kv_head, state.n_cells))
+        if self.moments is not None:  # so does one keeping query statistics (with its own RoPE)
+            self.moments = self._new_moments()
+            if state.moments is not None:
+                self.moments.load(state.moments)

@@ -15,6 +15,7 @@ from .chelsea_nobias import ChelseaNoBias
 from .chunkkv import ChunkKV
 from .compresskv import CompressKV
 from .context_shift import ContextShift
+from .expected_attention import ExpectedAttention
 from .full import Full
 from .h2o import H2O
 from .knorm import Knorm
@@ -29,7 +30,7 @@ from .streaming_llm import StreamingLLM
 METHODS: dict[str, type[Method]] = {
     cls.name: cls
     for cls in (Full, StreamingLLM, Knorm, Random, ContextShift, LagKV, SnapKV, ChunkKV, H2O, CompressKV,
-                ProtoKV, Chelsea, ChelseaNoBias, KVzip)
+                ProtoKV, Chelsea, ChelseaNoBias, KVzip, ExpectedAttention)
 }
 
 

@@ -54,6 +54,8 @@ class Method:
     needs: ClassVar[frozenset[str]] = frozenset()
     # the engine must tally the attention every cell receives from every later query (H2O)
     tallies: ClassVar[bool] = False
+    # the engine must keep the statistics of every query before RoPE (Expected Attention)
+    query_statistics: ClassVar[bool] = False
 
     sinks: int = 4
     window: int = 32

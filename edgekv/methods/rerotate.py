@@ -82,6 +82,10 @@ class KeyRerotation(Method):
         return self.method.tallies
 
     @property
+    def query_statistics(self) -> bool:  # type: ignore[override]
+        return self.method.query_statistics
+
+    @property
     def queries_needed(self) -> int:
         return self.method.queries_needed
 

@@ -1,0 +1,103 @@
+"""Expected Attention (kvpress's ``ExpectedAttentionPress``; Devoto et al. 2025,
+"Expected Attention: KV Cache Compression by Estimating Attention from Future Queries
+Distribution", arXiv:2510.00636; notes in docs/methods.md).
+
+In a chat the cache is compressed before the next question exists, so no query can
+vote for the keys it will need. Expected Attention predicts them instead: it models the
+coming queries as Gaussian, with the mean ``mu`` and covariance ``S`` of every query the
+context produced *before RoPE* (the engine keeps these sums, ``QueryMoments``), rotated
+by RoPE averaged over the next ``n_future_positions`` positions (``R``). For a Gaussian
+q, the expected unnormalised attention to a cached key k is
+
+    E[exp(s q.k)] = exp(s k.(R mu) + s^2 k^T (R S R^T) k / 2),     s = the model's kq_scale
+
+(1/sqrt(d) for most models: kvpress's formula). These logits are softmaxed over the
+cells each head holds, beside the sinks, averaged over the query heads of a KV head's
+GQA group and multiplied by the value's norm (what the token would write into the
+output). Sinks are kept. No observation window: every cell is scored, so the newest
+cell is the only one kept regardless (edgekv's rule).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import EdgekvError
+from ..kvcache.snapshot import KVSnapshot
+from .base import ScorerMethod
+
+
+@dataclass
+class ExpectedAttention(ScorerMethod):
+    """Keep the cells that queries like the context's own are expected to attend to."""
+
+    name = "expected_attention"
+    summary = "keep what future queries are expected to attend to, from past queries' statistics (kvpress)"
+    needs = frozenset({"queries"})
+    query_statistics = True
+
+    sinks: int = 4
+    window: int = 0
+    n_future_positions: int = 512  # the coming positions RoPE is averaged over
+    use_covariance: bool = True
+    use_vnorm: bool = True
+    epsilon: float = 0.0  # added to the attention before the value norm scales it
+
+    def __post_init__(self) -> None:
+        if self.n_future_positions < 1:
+            raise ValueError(f"n_future_positions must be at least 1, got {self.n_future_positions}")
+        if self.epsilon < 0:
+            raise ValueError(f"epsilon must not be negative, got {self.epsilon}")
+
+    def score(self, snap: KVSnapshot, layer: int) -> np.ndarray:
+        m = snap.moments
+        if m is None:
+            raise EdgekvError("expected_attention needs the statistics of the context's queries, which the "
+                              "engine was not keeping when it was filled (use the method from the start, "
+                              "or Session(..., moments=True))")
+        mu, cov = m.mean_cov(layer)
+        first = int(snap.pos.max()) + 1 if snap.n_cells else 0  # where the coming queries sit
+        rot = m.future_rotation(layer, first, self.n_future_positions)
+        return expected_attention_scores(
+            mu @ rot.T, rot @ cov @ rot.T if self.use_covariance else None, snap.keys(layer),
+            snap.values(layer) if self.use_vnorm else None, snap.token_pos[layer] >= self.sinks,
+            snap.kq_scale, snap.log_counts(layer), self.epsilon)
+
+
+def expected_attention_scores(mu: np.ndarray, cov: np.ndarray | None, k: np.ndarray, v: np.ndarray | None,
+                              scored: np.ndarray, kq_scale: float, bias: np.ndarray | None = None,
+                              epsilon: float = 0.0) -> np.ndarray:
+    """float64 [n_kv_head, n]: Expected Attention's score of every cell of one layer.
+
+    ``mu`` [n_head, d] and ``cov`` [n_head, d, d] (None: the mean alone): the future
+    queries' statistics, already rotated; ``k`` [n, n_kv_head, d] post-RoPE keys and ``v``
+    [n, n_kv_head, dv] values (None: no value norm); ``scored`` bool [n_kv_head, n]: the
+    cells the softmax runs over (not the sinks; others score +inf, to be kept); ``bias``
+    [n_kv_head, n]: merged cells' log counts, added to the logits as attention adds them."""
+    n_head, d = mu.shape
+    n, n_kv, _ = k.shape
+    if n_head % n_kv:
+        raise EdgekvError(f"{n_head} query heads do not split into {n_kv} KV heads")
+    group = n_head // n_kv
+    out = np.full((n_kv, n), np.inf)
+    for h in range(n_kv):
+        cols = np.flatnonzero(scored[h])
+        if cols.size == 0:
+            continue
+        kh = k[cols, h].astype(np.float64)  # [c, d]
+        heads = slice(h * group, (h + 1) * group)
+        logits = kq_scale * (mu[heads] @ kh.T)  # [group, c]
+        if cov is not None:
+            logits += 0.5 * kq_scale**2 * np.einsum("cd,gde,ce->gc", kh, cov[heads], kh, optimize=True)
+        if bias is not None:
+            logits += bias[h, cols]
+        logits -= logits.max(axis=1, keepdims=True)
+        p = np.exp(logits)
+        p /= p.sum(axis=1, keepdims=True)
+        s = p.mean(axis=0)
+        if v is not None:
+            s = (s + epsilon) * np.linalg.norm(v[cols, h].astype(np.float64), axis=1)
+        out[h, cols] = s
+    return out

@@ -1,0 +1,121 @@
+"""Expected Attention: its score against the Gaussian expectation it stands for, the
+query statistics the engines keep on the real model (the recorded queries rotated back,
+carried by session files), the same cells on both engines, bounded memory on a prompt
+four times the context, and a one-line refusal where RoPE is not reproduced.
+(kvpress parity: tests/test_frontier_parity.py.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edgekv.errors import EdgekvError
+from edgekv.kvcache.rope import Rope
+from edgekv.methods.expected_attention import expected_attention_scores
+from edgekv.session import Session
+
+TEXT = ("The lighthouse keeper wrote down every ship that passed, its flag, its cargo and the hour. "
+        "On stormy nights the entries grew short. The code of the harbour gate was 4417. ") * 6
+
+
+def test_the_score_is_the_expected_attention_of_gaussian_queries() -> None:
+    """exp(s k.mu + s^2 k^T S k / 2) is E[exp(s q.k)] for q ~ N(mu, S): checked by sampling
+    the queries, softmaxing the averages over the cells, averaging the group."""
+    rng = np.random.default_rng(3)
+    n_head, n_kv, d, n = 4, 2, 8, 40
+    mu = rng.standard_normal((n_head, d)) * 0.5
+    a = rng.standard_normal((n_head, d, d)) * 0.3
+    cov = a @ a.transpose(0, 2, 1)
+    k = rng.standard_normal((n, n_kv, d)).astype(np.float32)
+    scale = 1 / np.sqrt(d)
+    got = expected_attention_scores(mu, cov, k, None, np.ones((n_kv, n), bool), scale)
+    want = np.zeros((n_kv, n))
+    for qh in range(n_head):
+        q = rng.multivariate_normal(mu[qh], cov[qh], size=400_000)
+        e = np.exp(scale * q @ k[:, qh // 2].astype(np.float64).T).mean(axis=0)  # E[exp(s q.k)] per cell
+        want[qh // 2] += e / e.sum() / 2
+    np.testing.assert_allclose(got, want, rtol=0.02)
+    assert np.allclose(got.sum(axis=1), 1.0)
+
+
+def _pre_rope(sess: Session) -> tuple[np.ndarray, np.ndarray]:
+    """The window's queries rotated back by their positions: [rows, n_head, m, d], and the positions."""
+    q, pos = sess.engine.window.last(sess.engine.window.size)
+    rope = Rope.of(sess.model)
+    return np.stack([rope.rotate(q[r], np.broadcast_to(-pos, q.shape[1:3])) for r in range(q.shape[0])]), pos
+
+
+@pytest.mark.parametrize("engine", ["state", "native"])
+def test_the_engine_keeps_the_statistics_of_the_unrotated_queries(smollm2_path, engine) -> None:
+    """The moments after a chunked prefill equal the mean and covariance of every query the
+    window also recorded, each rotated back by its own position, the first four left out."""
+    with Session(smollm2_path, method="full", n_ctx=512, engine=engine, n_threads=2, chunk=64,
+                 observe=512, moments=True) as s:
+        s.feed_text(TEXT)
+        n = s.engine.n_cells
+        pre, pos = _pre_rope(s)
+        assert pos.shape[0] == n and s.engine.moments.count == n - 4
+        pre = pre[:, :, pos >= 4].astype(np.float64)
+        for row in (0, 7, pre.shape[0] - 1):
+            mu, cov = s.engine.moments.mean_cov(row)
+            x = pre[row] - pre[row].mean(axis=1, keepdims=True)
+            np.testing.assert_allclose(mu, pre[row].mean(axis=1), atol=1e-4)
+            np.testing.assert_allclose(cov, x.transpose(0, 2, 1) @ x / x.shape[1], atol=1e-3, rtol=1e-4)
+
+
+def test_both_engines_keep_the_same_cells(smollm2_path) -> None:
+    kept = []
+    for engine in ("state", "native"):
+        with Session(smollm2_path, method="expected_attention", budget=160, n_ctx=420, engine=engine,
+                     n_threads=2) as s:
+            s.feed_text(TEXT)
+            s.compress()
+            state = s.engine.save()
+            kept.append((state.blob, state.token_pos, int(np.argmax(s.logits()))))
+    assert kept[0][0] == kept[1][0] and np.array_equal(kept[0][1], kept[1][1]) and kept[0][2] == kept[1][2]
+
+
+def test_a_prompt_four_times_the_context_stays_within_its_cells(smollm2, smollm2_path) -> None:
+    """The statistics cover every query seen (not only the cells still held) in fixed memory."""
+    n_ctx, budget = 192, 96
+    toks = smollm2.tokenize(TEXT * 4)[: 4 * n_ctx]
+    assert len(toks) == 4 * n_ctx
+    with Session(smollm2_path, method="expected_attention", budget=budget, n_ctx=n_ctx, n_threads=2) as s:
+        peak = 0
+        for i in range(0, len(toks), 96):
+            s.feed(toks[i : i + 96])
+            peak = max(peak, s.engine.n_cells)
+        m = s.engine.moments
+        assert peak <= n_ctx and s.stats.compressions >= 6
+        assert m.count == len(toks) - 4 and m.outer.nbytes == m.total.nbytes * m.total.shape[2]
+        assert all(t is not None for t in s.generate_tokens(4))
+
+
+def test_the_statistics_survive_a_session_file(smollm2_path, tmp_path) -> None:
+    """A conversation saved and resumed (the server's LRU, a restart) compresses as the live one."""
+    path = tmp_path / "s.ekv"
+    more = " Then the fog came in and the keeper lit the lamp early."
+
+    def rest(s: Session) -> tuple[bytes, int]:
+        s.feed_text(more)
+        s.compress()
+        return s.engine.save().blob, s.engine.moments.count
+
+    with Session(smollm2_path, method="expected_attention", budget=160, n_ctx=420, n_threads=2) as s:
+        s.feed_text(TEXT)
+        s.save_file(path)
+        saved = s.engine.moments.copy()
+        live = rest(s)
+    with Session(smollm2_path, method="expected_attention", budget=160, n_ctx=420, n_threads=2) as s:
+        s.load_file(path)
+        m = s.engine.moments
+        assert m.count == saved.count and np.array_equal(m.total, saved.total)
+        assert np.array_equal(m.outer, saved.outer)
+        assert rest(s) == live
+
+
+def test_a_model_whose_rope_is_not_reproduced_is_a_one_line_error(gemma3_path) -> None:
+    """Gemma 3's sliding-window layers rotate with another base: refused before anything is cached."""
+    with pytest.raises(EdgekvError, match="RoPE") as e:
+        Session(gemma3_path, method="expected_attention", budget=160, n_ctx=420, n_threads=2)
+    assert "\n" not in str(e.value) and "sliding-window" in str(e.value)
