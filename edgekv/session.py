@@ -133,6 +133,7 @@ class Session:
         observe: int = 0,
         tally: bool = False,
         moments: bool = False,
+        scratch_cells: int = 0,
         on_compress: CompressFn | None = None,
         options: ContextOptions | None = None,
         rule: BudgetRule | None = None,
@@ -145,7 +146,9 @@ class Session:
         instead. ``observe``: record the newest queries of that many tokens from the start,
         ``tally``: the attention every cell accumulates (H2O), and ``moments``: the statistics
         of every query before RoPE (Expected Attention), for attention methods a later ``use``
-        switches to (a method given here records what it needs by itself).
+        switches to (a method given here records what it needs by itself). ``scratch_cells``:
+        cells beside the capacity for a method's own passes (KVzip's), at least what the first
+        method asks; a server sizes every pooled context for the methods it serves.
         ``on_compress`` is called after every compression."""
         if isinstance(model, Model):
             self.model = model
@@ -163,13 +166,14 @@ class Session:
         self.options = options
         self.capacity = rule.capacity  # edgekv's promise in cells; llama.cpp may round its allocation (ctx.n_ctx) up
         first = rule.build()
+        scratch = max(first.scratch_cells, scratch_cells)
         n_batch = rule.chunk(first, options.chunk)
         self.ctx = Context(
             self.model,
             # iSWA models (Gemma 3): llama.cpp sizes the sliding-window cache min(n_ctx, window +
             # batch), and it must hold a whole window plus a batch however far the positions run,
             # while compression keeps only the full-attention cells within the capacity
-            n_ctx=(max(rule.capacity, arch.n_swa + n_batch) if arch.n_swa else rule.capacity) + first.scratch_cells,
+            n_ctx=(max(rule.capacity, arch.n_swa + n_batch) if arch.n_swa else rule.capacity) + scratch,
             n_batch=n_batch,
             cache_type_k=options.cache_type_k,
             cache_type_v=options.cache_type_v,
@@ -178,7 +182,7 @@ class Session:
         )
         self.engine = make_engine(self.ctx, options.engine)
         per_cell = kv_bytes_per_token(self.model.info, options.cache_type_k, options.cache_type_v)
-        self.stats = Stats(capacity=rule.capacity, kv_bytes_per_cell=per_cell, scratch_cells=first.scratch_cells)
+        self.stats = Stats(capacity=rule.capacity, kv_bytes_per_cell=per_cell, scratch_cells=scratch)
         self.n_past = 0  # next position to decode at (pos_max + 1)
         self._sampler: Sampler | None = None
         self._has_logits = False

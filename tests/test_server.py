@@ -306,7 +306,8 @@ def test_a_client_that_disconnects_mid_stream(served) -> None:
     assert r.choices[0].message.content is not None
 
 
-@pytest.mark.parametrize("engine,method", [("native", "knorm"), ("state", "knorm"), ("native", "chelsea")])
+@pytest.mark.parametrize("engine,method", [("native", "knorm"), ("state", "knorm"), ("native", "chelsea"),
+                                           ("native", "expected_attention"), ("state", "kvzip")])
 def test_saved_to_disk_and_resumed_answers_as_if_never_saved(smollm2, tmp_path, engine, method) -> None:
     """With one live context, a second conversation pushes the first to a session file; its
     next turn, resumed from the file, is the greedy continuation it would have had."""
@@ -377,6 +378,23 @@ def test_a_method_the_engine_cannot_run_is_refused(gemma3, tmp_path) -> None:
         assert r.model_extra["edgekv"]["engine"] == "state" and r.model_extra["edgekv"]["method"] == "chelsea_nobias"
         assert app.store.created == 1
         _consistent(base, app)
+
+
+def test_a_method_needing_scratch_cells_is_served_only_where_contexts_have_them(served) -> None:
+    """KVzip repeats the context in cells beside each conversation's: a server started with
+    another method has none in its pooled contexts, so a request for kvzip is a 400 naming the
+    fix, before any conversation is made; Expected Attention needs none and is served."""
+    base, app = served
+    c = _client(base)
+    msgs = [{"role": "user", "content": "Tell me about lighthouses."}]
+    made = app.store.created
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, extra_body={"method": "kvzip"})
+    assert "--method kvzip" in str(e.value) and e.value.body["param"] == "method" and "\n" not in str(e.value)
+    assert app.store.created == made
+    r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, extra_body={"method": "expected_attention"})
+    assert r.model_extra["edgekv"]["method"] == "expected_attention" and app.store.created == made + 1
+    _consistent(base, app)
 
 
 def test_serve_refuses_bad_settings_with_one_line(tmp_path, smollm2_path) -> None:

@@ -230,12 +230,19 @@ class Store:
         if self._first is None:  # warm() makes it when the server starts
             raise EdgekvError("the server has no context yet")
         self._first.check_method(method)
+        have = self._first.stats.scratch_cells
+        if method.scratch_cells > have:
+            raise EdgekvError(
+                f"method {method.name!r} needs {method.scratch_cells} cells beside each conversation's for its "
+                f"own passes, and this server's contexts have {have}: start the server with --method "
+                f"{method.name} (with these parameters) to size them for it")
 
     def _new_session(self) -> Session:
         """A context for any conversation: made with no method, so its batch is the server's
         whole chunk; ``apply`` gives it each conversation's rule and method in turn."""
         cfg = self.cfg
-        sess = Session(cfg.model, options=cfg.options, rule=BudgetRule("full", capacity=cfg.n_ctx))
+        sess = Session(cfg.model, options=cfg.options, rule=BudgetRule("full", capacity=cfg.n_ctx),
+                       scratch_cells=self.default_rule.build().scratch_cells)
         if self._first is None:
             self._first = sess
         return sess
