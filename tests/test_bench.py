@@ -228,6 +228,20 @@ def test_log_softmax_and_perplexity() -> None:
     assert scoring.perplexity(2 * math.log(3.0), 2) == pytest.approx(3.0)
 
 
+def test_the_pareto_frontier_keeps_what_nothing_cheaper_beats() -> None:
+    from edgekv.bench.report import Frontier, Point
+
+    pts = [Point(8.0, 70.0, "f16", "full", 0.0), Point(4.0, 69.0, "q8_0", "full", 0.0),
+           Point(4.0, 30.0, "f16", "lagkv", 0.5), Point(2.0, 60.0, "q4_0", "full", 0.0),
+           Point(2.0, 20.0, "q8_0", "lagkv", 0.5), Point(1.0, 10.0, "q4_0", "lagkv", 0.5),
+           Point(1.0, 5.0, "f16", "lagkv", 0.875)]
+    best = Frontier(pts).best
+    assert [(p.mib, p.qa) for p in best] == [(1.0, 10.0), (2.0, 60.0), (4.0, 69.0), (8.0, 70.0)]
+    # every point has a frontier point with as few bytes and as high an average
+    for p in pts:
+        assert any(q.mib <= p.mib and q.qa >= p.qa for q in best)
+
+
 def test_grid_plan_and_resume_keys(tmp_path) -> None:
     from edgekv.bench.runner import Grid, _evals, load_rows, plan, row_key
 

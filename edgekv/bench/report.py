@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 from .runner import RESULTS_FILE, load_rows
@@ -192,6 +193,21 @@ def quality_markdown(tab: Table) -> list[str]:
                 out.append(f"| {model} | {length} | {ct} | {_fmt(tab.qa_avg(cfg, 'full', 0.0))} | {_fmt(ppl, 2)} | "
                            f"{_fmt(tab.kv(cfg, 'full', 0.0)[0], 2)} |")
         out.append("")
+    # Quantise, evict, or both: the points no other point beats with fewer KV bytes.
+    for (model, length, protocol), front in frontiers(tab).items():
+        if len({p.cache for p in front.points}) < 2:
+            continue
+        out.append(f"## Pareto frontier: QA average against KV MiB ({model}, {length} tokens, query-{protocol})")
+        out.append("")
+        out.append("Every (method, ratio, cache type) measured; on the frontier are those that no other "
+                   "reaches with as few or fewer KV bytes and a higher QA average.")
+        out.append("")
+        out.append("| KV MiB | cache | method | ratio | QA avg |")
+        out.append("|---:|---|---|---:|---:|")
+        for pt in front.best:
+            out.append(f"| {_fmt(pt.mib, 2)} | {pt.cache} | {pt.method} | {'–' if pt.ratio == 0 else f'{pt.ratio:g}'} "
+                       f"| {_fmt(pt.qa, 1)} |")
+        out.append("")
     if tab.errors:
         out.append(f"{len(tab.errors)} evaluations failed (e.g. a budget below what the method must keep): "
                    + "; ".join(sorted({e.get('error', '?')[:120] for e in tab.errors})[:3]))
@@ -233,6 +249,45 @@ def speed_markdown(rows: list[dict]) -> list[str]:
 
 # ---------------------------------------------------------------------------
 # plots
+
+
+@dataclass(frozen=True)
+class Point:
+    """One (method, ratio, cache type) of a sweep: its mean KV MiB and QA average."""
+
+    mib: float
+    qa: float
+    cache: str
+    method: str
+    ratio: float
+
+
+@dataclass
+class Frontier:
+    points: list[Point]
+
+    @property
+    def best(self) -> list[Point]:
+        """The Pareto frontier, fewest bytes first: each point beats every point with fewer
+        bytes (a higher QA average), so no other point has as few bytes and a higher average."""
+        out: list[Point] = []
+        for pt in sorted(self.points, key=lambda p: (p.mib, -p.qa)):
+            if not out or pt.qa > out[-1].qa:
+                out.append(pt)
+        return out
+
+
+def frontiers(tab: Table) -> dict[tuple[str, int, str], Frontier]:
+    """Per (model, length, protocol): every measured point across cache types."""
+    out: dict[tuple[str, int, str], Frontier] = {}
+    for cfg in tab.configs():
+        model, ct, length, protocol = cfg
+        front = out.setdefault((model, length, protocol), Frontier([]))
+        for m, r in tab.evals(cfg):
+            qa = tab.qa_avg(cfg, m, r)
+            if not math.isnan(qa):
+                front.points.append(Point(tab.kv(cfg, m, r)[0], qa, ct, m, r))
+    return out
 
 
 def _plt():
@@ -303,6 +358,10 @@ def plot_quality(tab: Table, results_dir: Path) -> list[Path]:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers.get(cfg[1], "x"),
                         color=colors[m], ls="-" if cfg[1] == "f16" else ":", ms=4,
                         label=f"{m} ({cfg[1]})")
+        best = frontiers(tab)[(model, length, protocol)].best
+        if len({c[1] for c in cfgs}) > 1 and len(best) > 1:  # quantise, evict, or both: what no point beats
+            ax.step([p.mib for p in best], [p.qa for p in best], where="post", color="k", lw=1.6, alpha=0.55,
+                    zorder=0, label="Pareto frontier")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("KV cache MiB (log2)")
         ax.set_ylabel("QA average score %")
