@@ -142,3 +142,13 @@ def test_unknown_method_and_parameter() -> None:
 def test_bad_attention_parameters_are_clear_errors(name: str, params: dict) -> None:
     with pytest.raises(EdgekvError, match="bad parameters"):
         _get_method(name, **params)
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+@pytest.mark.parametrize(("param", "value"), [("sinks", -3), ("window", -1)])
+def test_negative_sinks_and_window_are_one_line_errors_for_every_method(name: str, param: str, value: int) -> None:
+    with pytest.raises(EdgekvError, match=f"{param} must be a whole number >= 0") as e:
+        _get_method(name, **{param: value})
+    assert "\n" not in str(e.value)
+    with pytest.raises(EdgekvError, match="sinks must be"):  # a wrapper passes them to the method it wraps
+        _get_method(f"{name}+rerotate", sinks=-1)

@@ -175,11 +175,12 @@ def run_speed(grid: SpeedGrid, log: Callable[[str], None] | None = None) -> Path
     return path
 
 
-def _fresh(model, toks: list[int], grid: SpeedGrid, ct: str, fa: str, Session, observe: int) -> tuple:
+def _fresh(model, toks: list[int], grid: SpeedGrid, ct: str, fa: str, Session, observe: int,
+           moments: bool) -> tuple:
     """A new context prefilled with ``toks`` and saved: the baseline a compressed cache of
     as many cells is compared with (recording the same queries while it decodes)."""
     sess = Session(model, method="full", n_ctx=len(toks) + grid.decode_tokens + 16, chunk=512, cache_type_k=ct,
-                   cache_type_v=ct, flash_attn=fa, n_threads=grid.threads, observe=observe)
+                   cache_type_v=ct, flash_attn=fa, n_threads=grid.threads, observe=observe, moments=moments)
     sess.feed(toks)
     return sess, sess.save(), len(toks)
 
@@ -196,8 +197,9 @@ def _one(model, label, ct, fa, length, grid: SpeedGrid, Session, METHODS, log) -
     # the prefill records the queries the grid's attention methods read (its cost is in prefill_s)
     # (H2O's tally would slow every decode of this shared session: tallying methods run in stream mode only)
     observe = max((METHODS[m]().queries_needed for m in grid.methods), default=0)
+    moments = any(METHODS[m].query_statistics for m in grid.methods)  # Expected Attention's statistics
     with Session(model, method="full", n_ctx=n_ctx, chunk=512, cache_type_k=ct, cache_type_v=ct,
-                 flash_attn=fa, n_threads=grid.threads, observe=observe) as sess:
+                 flash_attn=fa, n_threads=grid.threads, observe=observe, moments=moments) as sess:
         reset_peak_rss()
         pre = protocol.prefill(sess, toks)
         prefill_s, n_prompt = pre.seconds, pre.n_cells
@@ -226,7 +228,7 @@ def _one(model, label, ct, fa, length, grid: SpeedGrid, Session, METHODS, log) -
             if fresh is None or fresh[2] != cells:
                 if fresh:
                     fresh[0].close()
-                fresh = _fresh(model, toks[:cells], grid, ct, fa, Session, observe)
+                fresh = _fresh(model, toks[:cells], grid, ct, fa, Session, observe, moments)
             fresh[0].restore(fresh[1])
             fresh[0].feed([toks[cells]])
             dec, dec_fresh = decode_pair(sess, fresh[0], grid.decode_tokens)

@@ -60,6 +60,13 @@ class Method:
     sinks: int = 4
     window: int = 32
 
+    def __post_init__(self) -> None:
+        """Range checks every method shares; a subclass's own ``__post_init__`` calls this first."""
+        for name in ("sinks", "window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a whole number >= 0, got {value!r}")
+
     def bind(self, rule: BudgetRule) -> None:
         """Called once by the Session with its budget rule (already checked).
 

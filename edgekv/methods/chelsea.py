@@ -60,6 +60,7 @@ class Chelsea(Method):
     interval: int = 64  # with a budget: compress when the cache is this far above it
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.chunk < 2:
             raise ValueError(f"chunk must hold at least a source and a destination, got {self.chunk}")
         if not 0.0 < self.r_floor <= 0.5 or not 0.0 < self.r_init <= 0.5:

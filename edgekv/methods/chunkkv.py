@@ -57,6 +57,7 @@ class ChunkKV(Method):
     kernel: int = 5  # per_layer mode only (SnapKV's pooling)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_window(self.window, self.kernel)
         if self.chunk < 1 or self.reuse < 1:
             raise ValueError("chunk and reuse must be at least 1")

@@ -47,6 +47,7 @@ class CompressKV(ScorerMethod):
     _profile: HeadProfile | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_window(self.window, self.kernel)
         if self.heads < 1:
             raise ValueError(f"heads must be at least 1, got {self.heads}")

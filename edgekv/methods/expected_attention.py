@@ -46,6 +46,7 @@ class ExpectedAttention(ScorerMethod):
     epsilon: float = 0.0  # added to the attention before the value norm scales it
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.n_future_positions < 1:
             raise ValueError(f"n_future_positions must be at least 1, got {self.n_future_positions}")
         if self.epsilon < 0:

@@ -42,6 +42,7 @@ class H2O(ScorerMethod):
     recent: float = 0.5  # share of the budget for the newest cells
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not 0.0 <= self.recent < 1.0:
             raise ValueError(f"recent is a share of the budget in [0, 1), got {self.recent}")
 

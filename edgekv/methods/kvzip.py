@@ -96,6 +96,7 @@ class KVzip(ScorerMethod):
     span: float = 1.0  # most tokens repeated per compression, as a multiple of the cells held
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.chunk < PREVIOUS_TAIL + 1:
             raise ValueError(f"chunk must be more than {PREVIOUS_TAIL} tokens, got {self.chunk}")
         if not self.span > 0:

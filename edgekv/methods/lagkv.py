@@ -353,6 +353,7 @@ class LagKV(Method):
     r: float = 0.5
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not isinstance(self.L, int) or self.L < 1:
             raise ValueError(f"L (partition length) must be a positive integer, got {self.L!r}")
         if not 0.0 <= float(self.r) <= 1.0:

@@ -180,9 +180,8 @@ class ProtoKV(ScorerMethod):
     seed: int = 0  # of the random Fourier features, shared by every head and layer
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_window(self.window, 1)
-        if self.sinks < 0:
-            raise ValueError(f"sinks must be >= 0, got {self.sinks}")
         if self.chunk < 1:
             raise ValueError(f"chunk must be at least 1 (cells per chunk), got {self.chunk}")
         if self.buckets < 2 or self.buckets & (self.buckets - 1):

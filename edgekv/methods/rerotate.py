@@ -49,6 +49,7 @@ class KeyRerotation(Method):
     limit: int = 0
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         # (a default only because the base's fields have defaults; a method is required)
         if not isinstance(self.method, Method):
             raise EdgekvError("KeyRerotation wraps a method instance, e.g. KeyRerotation(get_method('knorm'))")

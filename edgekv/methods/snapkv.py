@@ -46,6 +46,7 @@ class SnapKV(ScorerMethod):
     kernel: int = 5
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_window(self.window, self.kernel)
 
     @property
