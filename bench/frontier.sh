@@ -14,11 +14,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 q() { .venv/bin/edgekv bench quality --n 20 --ratios 0.5,0.75,0.875 "$@"; }
-METHODS=full,kvzip,expected_attention,lagkv,streaming_llm,h2o,chelsea
+CHEAP=full,lagkv,streaming_llm          # one pass each: the first answer to "quantise or evict?"
+COSTLY=kvzip,expected_attention,h2o,chelsea
 for model in smollm2-135m qwen2.5-coder-0.5b; do
-  out=bench/results/${model%-135m}
-  [ "$model" = smollm2-135m ] && out=bench/results/smollm2
-  q --model "$model" --methods "$METHODS" --cache-types f16 --out "$out"
-  q --model "$model" --methods "$METHODS" --cache-types q8_0 --out "$out"
-  q --model "$model" --methods "$METHODS" --cache-types q4_0 --out "$out"
+  out=bench/results/smollm2
+  [ "$model" = smollm2-135m ] || out=bench/results/$model
+  for methods in "$CHEAP" "$COSTLY"; do
+    for ct in q8_0 q4_0 f16; do
+      q --model "$model" --methods "$methods" --cache-types "$ct" --out "$out"
+    done
+  done
 done

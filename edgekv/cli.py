@@ -271,7 +271,8 @@ def chat(
 ) -> None:
     """Interactive chat whose KV cache stays within --n-ctx; lines come from stdin (scriptable).
 
-    Type a message and press Enter; `/stats` shows the cache counters, `/quit` or EOF ends.
+    Type a message and press Enter; `/stats` shows the cache counters, `/quit` or EOF (Ctrl-D)
+    ends; Ctrl-C stops a reply and keeps the conversation.
     Each turn prints the reply on stdout and, with --stats, one counter line on stderr.
     Without --budget, --ratio and --n-ctx, a compressing method keeps 1024 cells.
     """
@@ -292,7 +293,11 @@ def chat(
         while True:
             if interactive:
                 typer.echo("> ", nl=False)
-            line = sys.stdin.readline()
+            try:
+                line = sys.stdin.readline()
+            except KeyboardInterrupt:  # Ctrl-C at the prompt: as Ollama, a hint, not the end
+                typer.echo("\n(Ctrl-D or /quit ends the chat)", err=True)
+                continue
             if not line:
                 break
             text = line.rstrip("\n")
@@ -304,15 +309,23 @@ def chat(
                 typer.echo(_stats_line(sess.stats))
                 continue
             prog, cb = _progress_bar("prefill")
-            with prog:
-                pieces = conv.send(text, max_tokens=max_tokens, sampler=cfg, progress=cb)
-                first = next(pieces, "")
-            reply = [first]
-            sys.stdout.write(first)
-            for piece in pieces:
-                reply.append(piece)
-                sys.stdout.write(piece)
-                sys.stdout.flush()
+            reply: list[str] = []
+            pieces = conv.send(text, max_tokens=max_tokens, sampler=cfg, progress=cb)
+            try:  # Ctrl-C stops the reply (or the prefill) and keeps the conversation
+                with prog:
+                    reply.append(next(pieces, ""))
+                sys.stdout.write(reply[0])
+                for piece in pieces:
+                    reply.append(piece)
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+            except KeyboardInterrupt:
+                pieces.close()
+                kept = any(m == {"role": "user", "content": text} for m in conv.messages[-2:])
+                typer.echo("\n(stopped)" if kept else "\n(stopped during the prefill; that message is dropped)",
+                           err=True)
+                if not kept:
+                    continue
             sys.stdout.write("\n")
             sys.stdout.flush()
             s = sess.stats

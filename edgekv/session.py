@@ -498,21 +498,40 @@ class Chat:
         if system:
             self.messages.append({"role": "system", "content": system})
         self._rendered = ""
+        self._rebuild = False  # an interrupt left the cache out of step with the messages
 
     def send(self, text: str, *, max_tokens: int = 256, sampler: SamplerConfig | None = None,
              progress: ProgressFn | None = None) -> Iterator[str]:
+        """Feed the new turn and stream the reply. Closing the stream early (a user's Ctrl-C
+        between pieces) keeps the reply so far as the assistant's message. An interrupt while
+        llama.cpp works (the prefill, a step) may leave the cache half-fed, so the message
+        fed is dropped (prefill) or the reply so far kept (a step), and the next turn rebuilds
+        the cache from the messages: nothing said is lost, nothing half-fed is kept."""
         self.messages.append({"role": "user", "content": text})
         prompt = self.session.model.apply_chat_template(self.messages, add_assistant=True)
+        if self._rebuild:
+            self.session.reset()
+            self._rendered, self._rebuild = "", False
         common = common_prefix(self._rendered, prompt)
-        self.session.feed_text(prompt[common:], add_special=self.session.n_past == 0, progress=progress)
+        try:
+            self.session.feed_text(prompt[common:], add_special=self.session.n_past == 0, progress=progress)
+        except KeyboardInterrupt:
+            self.messages.pop()
+            self._rebuild = True
+            raise
         reply: list[str] = []
-        for piece in self.session.generate(max_tokens, sampler):
-            reply.append(piece)
-            yield piece
-        answer = "".join(reply)
-        self.messages.append({"role": "assistant", "content": answer})
-        # What the cache now represents: the prompt plus the reply as decoded.
-        self._rendered = prompt + answer
+        try:
+            for piece in self.session.generate(max_tokens, sampler):
+                reply.append(piece)
+                yield piece
+        except KeyboardInterrupt:
+            self._rebuild = True
+            raise
+        finally:
+            answer = "".join(reply)
+            self.messages.append({"role": "assistant", "content": answer})
+            # What the cache now represents: the prompt plus the reply as decoded.
+            self._rendered = prompt + answer
 
 
 def common_prefix(a: str, b: str) -> int:

@@ -268,6 +268,80 @@ def test_chat_twenty_turns_bounded(smollm2_path, tmp_path, method):
     assert turns[-1]["compressions"] == s["compressions"]
 
 
+class _Chat:
+    """``edgekv chat`` in a subprocess, its output read as it comes, for signals mid-turn."""
+
+    def __init__(self, *args: object) -> None:
+        import os
+        import threading
+
+        from _helpers import CMD
+
+        env = dict(os.environ, COLUMNS="200", NO_COLOR="1", TERM="dumb", PYTHONUNBUFFERED="1")
+        env.pop("EDGEKV_VERBOSE", None)
+        self.p = subprocess.Popen([*CMD, "chat", *map(str, args)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, env=env)
+        self.out: list[str] = []
+        self.err: list[str] = []
+        for stream, sink in ((self.p.stdout, self.out), (self.p.stderr, self.err)):
+            threading.Thread(target=lambda s=stream, k=sink: k.extend(iter(lambda: s.read(1), "")),
+                             daemon=True).start()
+
+    def say(self, text: str) -> None:
+        self.p.stdin.write(text + "\n")
+        self.p.stdin.flush()
+
+    def wait_for(self, what, timeout: float = 120) -> None:
+        import time
+
+        deadline = time.time() + timeout
+        while not what():
+            assert time.time() < deadline and self.p.poll() is None, ("".join(self.out), "".join(self.err))
+            time.sleep(0.05)
+
+    def finish(self) -> int:
+        self.p.stdin.close()
+        return self.p.wait(timeout=300)
+
+
+def test_ctrl_c_stops_the_reply_and_keeps_the_conversation(tmp_path) -> None:
+    """SIGINT mid-reply: the reply stops, its text so far is the assistant's turn, the chat
+    goes on in the same cache; SIGINT mid-prefill drops that message and the next turn
+    rebuilds the cache from the messages. Nothing is lost, the chat exits 0."""
+    import signal
+
+    stats = tmp_path / "chat.json"
+    chat = _Chat("--method", "knorm", "--budget", "512", "--n-ctx", "1024", "--max-tokens", "400",
+                 "--temperature", "0", "--stats-json", stats)
+    chat.say("Write a very long story about a lighthouse keeper and her cat.")
+    chat.wait_for(lambda: len("".join(chat.out)) > 40)
+    chat.p.send_signal(signal.SIGINT)
+    chat.wait_for(lambda: "(stopped)" in "".join(chat.err))
+    chat.say("What was the cat's name?")
+    chat.wait_for(lambda: len([ln for ln in "".join(chat.err).splitlines() if ln.startswith("[cells")]) >= 2)
+    chat.say("The harbour log of the old town, day after day. " * 600)  # a long prefill...
+    import time
+
+    time.sleep(4)
+    chat.p.send_signal(signal.SIGINT)  # ...stopped in the middle
+    chat.wait_for(lambda: "that message is dropped" in "".join(chat.err))
+    chat.say("Say hello.")
+    chat.say("/quit")
+    assert chat.finish() == 0, "".join(chat.err)
+    err = "".join(chat.err)
+    assert "Traceback" not in err
+    turns = json.loads(stats.read_text())["turns"]
+    assert [t["user"] for t in turns] == ["Write a very long story about a lighthouse keeper and her cat.",
+                                          "What was the cat's name?", "Say hello."]
+    first, second, third = (t["reply"] for t in turns)
+    assert first.strip() and second.strip() and third.strip()
+    assert first in "".join(chat.out)  # what was shown is what was kept
+    assert turns[1]["tokens_seen"] > turns[0]["tokens_seen"] + 5  # the same cache went on
+    # the rebuilt cache holds the three turns' messages again (the last reply: up to 400 tokens),
+    # not the dropped message's 6000 or so
+    assert turns[2]["tokens_seen"] < turns[1]["tokens_seen"] + 30 + 400
+
+
 # ---------------------------------------------------------------------------
 # listing commands and help
 

@@ -12,6 +12,7 @@ multiplied up from ``freq_base ** (-2 / n_rot)``, no YaRN).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -110,13 +111,20 @@ class Rope:
 
     def mean_rotation(self, first: int, n: int, head_dim: int) -> np.ndarray:
         """float64 [head_dim, head_dim]: the rotation R(p) (column vectors, R q = the rotated
-        q) averaged over the positions first..first+n-1; channels past ``n_rot`` stay put."""
-        cos, sin = self.angles(np.arange(first, first + n))
-        c, s = cos.astype(np.float64).mean(axis=0), sin.astype(np.float64).mean(axis=0)
-        a, b = self.pairs()
-        idx = np.arange(head_dim)
-        ia, ib = idx[a], idx[b]
-        r = np.eye(head_dim)
-        r[ia, ia], r[ib, ib] = c, c
-        r[ia, ib], r[ib, ia] = -s, s
-        return r
+        q) averaged over the positions first..first+n-1; channels past ``n_rot`` stay put.
+        Read-only: cached, as every layer of a compression asks for the same one."""
+        return _mean_rotation(self, first, n, head_dim)
+
+
+@lru_cache(maxsize=8)
+def _mean_rotation(rope: Rope, first: int, n: int, head_dim: int) -> np.ndarray:
+    cos, sin = rope.angles(np.arange(first, first + n))
+    c, s = cos.astype(np.float64).mean(axis=0), sin.astype(np.float64).mean(axis=0)
+    a, b = rope.pairs()
+    idx = np.arange(head_dim)
+    ia, ib = idx[a], idx[b]
+    r = np.eye(head_dim)
+    r[ia, ia], r[ib, ib] = c, c
+    r[ia, ib], r[ib, ia] = -s, s
+    r.flags.writeable = False
+    return r

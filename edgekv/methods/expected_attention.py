@@ -90,8 +90,11 @@ def expected_attention_scores(mu: np.ndarray, cov: np.ndarray | None, k: np.ndar
         kh = k[cols, h].astype(np.float64)  # [c, d]
         heads = slice(h * group, (h + 1) * group)
         logits = kq_scale * (mu[heads] @ kh.T)  # [group, c]
-        if cov is not None:
-            logits += 0.5 * kq_scale**2 * np.einsum("cd,gde,ce->gc", kh, cov[heads], kh, optimize=True)
+        if cov is not None:  # k^T C k for every key and query head: one float32 product [c, d] x [d, group * d]
+            k32 = np.ascontiguousarray(k[cols, h], np.float32)
+            kc = k32 @ cov[heads].transpose(1, 0, 2).reshape(d, group * d).astype(np.float32)
+            quad = np.einsum("cgd,cd->gc", kc.reshape(-1, group, d), k32, optimize=True)
+            logits += 0.5 * kq_scale**2 * quad.astype(np.float64)
         if bias is not None:
             logits += bias[h, cols]
         logits -= logits.max(axis=1, keepdims=True)
