@@ -14,13 +14,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 q() { .venv/bin/edgekv bench quality --n 20 --ratios 0.5,0.75,0.875 "$@"; }
-CHEAP=full,lagkv,streaming_llm          # one pass each: the first answer to "quantise or evict?"
-COSTLY=kvzip,expected_attention,h2o,chelsea
+CHEAP=full,lagkv,streaming_llm,expected_attention  # fast to score: the first answer to "quantise or evict?"
+COSTLY=kvzip,h2o,chelsea                           # kvzip runs the model over the cache per compression
 for model in smollm2-135m qwen2.5-coder-0.5b; do
   out=bench/results/smollm2
   [ "$model" = smollm2-135m ] || out=bench/results/$model
   for methods in "$CHEAP" "$COSTLY"; do
-    for ct in q8_0 q4_0 f16; do
+    for ct in f16 q8_0 q4_0; do
       q --model "$model" --methods "$methods" --cache-types "$ct" --out "$out"
     done
   done
