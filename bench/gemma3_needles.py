@@ -16,7 +16,10 @@ On the first ``--n`` niah_single samples (1024 tokens, chat template, as
    compressed layers, for Gemma 3 and SmolLM2, over the first 1000 tokens of Emma.
 
     .venv/bin/edgekv bench run gemma3_needles --n 4
-writes bench/results/gemma3_needles.json.
+writes bench/results/gemma3_needles.json. Any model and method runs the same way
+(``--model smollm2-135m --methods lagkv,kvzip,expected_attention --out NAME``):
+KVzip's scores come from its reconstruction pass, Expected Attention's from the
+query statistics the prefill records.
 """
 
 from __future__ import annotations
@@ -54,6 +57,16 @@ def _force(keep: np.ndarray, need: np.ndarray, n: int, window: int) -> np.ndarra
     return out
 
 
+def retention(rows: list[dict], m: str) -> dict[str, object]:
+    """Over the samples: answers right, right with the needle forced in, and the share of
+    (layer, KV head)s that kept every token of the needle, overall and per layer."""
+    whole = np.array([[k == r[m]["of"] for k in r[m]["needle_kept"]] for r in rows], float)  # [samples, L * H]
+    by_layer = whole.reshape(len(rows), len(rows[0][m]["layers"]), -1).mean(axis=(0, 2))
+    return {"answered": sum(r[m]["answer"][1] > 0 for r in rows),
+            "forced": sum(r[m]["needle_forced"][1] > 0 for r in rows),
+            "whole": float(whole.mean()), "whole_by_layer": [round(float(x), 3) for x in by_layer]}
+
+
 def key_norm_spread(model_name: str) -> dict[str, float]:
     with Session(resolve_model(model_name), n_ctx=1100, n_threads=2) as s:
         s.feed(long_text_tokens(s.model, 1000))
@@ -71,9 +84,15 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--ratio", type=float, default=0.5)
     ap.add_argument("--methods", default="knorm,lagkv,random")
+    ap.add_argument("--out", default="gemma3_needles", help="result name under bench/results")
     a = ap.parse_args()
     methods = a.methods.split(",")
-    sess = Session(resolve_model(a.model), method="full", n_ctx=2048, n_threads=2)
+    built = [get_method(m) for m in methods]
+    if any(m.tallies for m in built):  # step 1 evicts through llama.cpp, behind a tally's back
+        raise SystemExit("tallying methods (h2o) are not supported by this diagnostic")
+    sess = Session(resolve_model(a.model), method="full", n_ctx=2048, n_threads=2,
+                   observe=max(m.queries_needed for m in built),
+                   moments=any(m.query_statistics for m in built), scratch_cells=max(m.scratch_cells for m in built))
     frame = tasks.chat_frame(sess.model)
     count = lambda t: len(sess.model.tokenize(t, add_special=False))  # noqa: E731
     rows = []
@@ -103,23 +122,31 @@ def main() -> None:
         row["streaming_llm"] = _answer(sess, prompt, sample)
         for m in methods:
             sess.restore(pre.saved)
-            snap = sess.engine.snapshot()
             method = get_method(m)
+            rebuilt = method.reconstruct(sess.engine)[0] if hasattr(method, "reconstruct") else None  # KVzip
+            snap = sess.engine.snapshot()
+            snap.reconstruction = rebuilt
             keep = method.select(snap, target)
             kept = [int(np.isin(np.arange(a0, a1), snap.token_pos[li, h][keep[li, h]]).sum())
                     for li in range(keep.shape[0]) for h in range(keep.shape[1])]
             sess.engine.compact(keep)
-            row[m] = {"needle_kept": kept, "of": a1 - a0, "answer": _answer(sess, prompt, sample)}
+            row[m] = {"needle_kept": kept, "of": a1 - a0, "layers": list(range(keep.shape[0])),
+                      "answer": _answer(sess, prompt, sample)}
             sess.restore(pre.saved)
             sess.engine.compact(_force(keep, np.arange(a0 - 3, a1 + 3), n, method.window))
             row[m]["needle_forced"] = _answer(sess, prompt, sample)
         rows.append(row)
         print(row, flush=True)
     sess.close()
-    spread = {name: key_norm_spread(name) for name in (a.model, "smollm2-135m")}
+    summary = {m: retention(rows, m) for m in methods}
+    for m, r in summary.items():
+        print(f"{m}: answered {r['answered']}/{len(rows)}, with the needle forced in {r['forced']}/{len(rows)}; "
+              f"(layer, head)s keeping the whole needle {100 * r['whole']:.0f} %, by layer "
+              + " ".join(f"{100 * x:.0f}" for x in r["whole_by_layer"]), flush=True)
+    spread = {name: key_norm_spread(name) for name in dict.fromkeys((a.model, "smollm2-135m"))}
     print("key-norm coefficient of variation:", spread)
-    out = write_json("gemma3_needles", {"machine": machine(), "args": vars(a), "rows": rows,
-                                        "key_norm_cv": spread})
+    out = write_json(a.out, {"machine": machine(), "args": vars(a), "rows": rows, "summary": summary,
+                             "key_norm_cv": spread})
     print(f"wrote {out}")
 
 
