@@ -123,9 +123,7 @@ def main() -> None:
         for m in methods:
             sess.restore(pre.saved)
             method = get_method(m)
-            rebuilt = method.reconstruct(sess.engine)[0] if hasattr(method, "reconstruct") else None  # KVzip
-            snap = sess.engine.snapshot()
-            snap.reconstruction = rebuilt
+            snap = method.snapshot(sess.engine)  # KVzip's: after its reconstruction pass
             keep = method.select(snap, target)
             kept = [int(np.isin(np.arange(a0, a1), snap.token_pos[li, h][keep[li, h]]).sum())
                     for li in range(keep.shape[0]) for h in range(keep.shape[1])]

@@ -174,3 +174,18 @@ def test_kvzip_without_room_to_repeat_is_a_one_line_error(smollm2, smollm2_path)
         assert "\n" not in str(e.value) and s.engine.n_cells == 500  # nothing lost
     with pytest.raises(EdgekvError, match="chunk"):
         get_method("kvzip", chunk=4)
+
+
+def test_kvzip_under_the_chunk_wrapper_scores_from_its_reconstruction(smollm2_path) -> None:
+    """+chunk keeps KVzip's runs: the wrapper's selection reads the snapshot KVzip's pass made."""
+    kept = []
+    for name in ("kvzip", "kvzip+chunk@8"):
+        with Session(smollm2_path, method=name, budget=160, n_ctx=420, n_threads=2,
+                     method_params={"chunk": 64}) as s:
+            s.feed_text(TEXT)
+            s.compress()
+            assert s.engine.n_cells == 160
+            kept.append(s.engine.snapshot().token_pos)
+    assert not np.array_equal(kept[0], kept[1])
+    runs = np.diff(kept[1], axis=2) == 1  # consecutive tokens: whole runs are kept
+    assert runs.mean() > np.mean(np.diff(kept[0], axis=2) == 1)

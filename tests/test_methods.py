@@ -152,3 +152,52 @@ def test_negative_sinks_and_window_are_one_line_errors_for_every_method(name: st
     assert "\n" not in str(e.value)
     with pytest.raises(EdgekvError, match="sinks must be"):  # a wrapper passes them to the method it wraps
         _get_method(f"{name}+rerotate", sinks=-1)
+
+
+def test_chunk_means_follow_their_definition() -> None:
+    from edgekv.methods.chunk import chunk_means
+
+    rng = np.random.default_rng(4)
+    s = rng.standard_normal((3, 23))
+    s[0, :2] = np.inf  # kept regardless
+    s[1, 5] = np.nan
+    s[2, 8:16] = np.inf  # a run with nothing scored
+    got = chunk_means(np.where(np.isnan(s), -np.inf, s), 8)
+    for h in range(3):
+        for c0 in range(0, 23, 8):
+            run = s[h, c0 : c0 + 8]
+            finite = run[np.isfinite(run)]
+            for j, v in enumerate(run):
+                want = v if np.isinf(v) else (-np.inf if np.isnan(v) else finite.mean())
+                if np.isnan(v):  # a nan scores -inf, as the base treats it, and joins no mean
+                    want = -np.inf
+                assert got[h, c0 + j] == pytest.approx(want), (h, c0 + j)
+
+
+@pytest.mark.parametrize("budget", [80, 120])
+def test_chunk_wrapper_keeps_the_best_whole_runs(budget: int) -> None:
+    snap = snapshot()
+    m = _get_method("knorm+chunk@8")
+    keep = m.select(snap, budget)
+    check_keep(keep, L, H, N)
+    prot = m.protected(snap)
+    inner = _get_method("knorm")
+    for il in range(L):
+        s = np.where(prot[il], np.inf, inner.score(snap, il))
+        for h in range(H):
+            runs = [(np.mean([x for x in s[h, c : c + 8] if np.isfinite(x)] or [-np.inf]), c) for c in range(0, N, 8)]
+            kept = set(keep[il, h].tolist())
+            assert set(np.flatnonzero(prot[il, h])) <= kept
+            # every run is whole or absent, but for at most one at the cut (the earliest of its cells)
+            partial = [c for _, c in runs if 0 < len(kept & set(range(c, min(c + 8, N)))) < min(8, N - c)
+                       and not all(prot[il, h, c : c + 8])]
+            assert len(partial) <= 1 + sum(prot[il, h, c : c + 8].any() for _, c in runs), partial
+
+
+def test_chunk_wrapper_takes_only_scorers() -> None:
+    with pytest.raises(EdgekvError, match="chooses its cells itself"):
+        _get_method("lagkv+chunk")
+    with pytest.raises(EdgekvError, match="whole number"):
+        _get_method("knorm+chunk@x")
+    assert _get_method("kvzip+chunk@16").name == "kvzip+chunk@16"
+    assert _get_method("kvzip+chunk@16").scratch_cells == _get_method("kvzip").scratch_cells

@@ -12,6 +12,7 @@ from ..errors import EdgekvError
 from .base import Method, ScorerMethod
 from .chelsea import Chelsea
 from .chelsea_nobias import ChelseaNoBias
+from .chunk import ChunkSelection
 from .chunkkv import ChunkKV
 from .compresskv import CompressKV
 from .context_shift import ContextShift
@@ -26,6 +27,7 @@ from .random import Random
 from .rerotate import KeyRerotation
 from .snapkv import SnapKV
 from .streaming_llm import StreamingLLM
+from .wrapper import MethodWrapper
 
 METHODS: dict[str, type[Method]] = {
     cls.name: cls
@@ -35,7 +37,7 @@ METHODS: dict[str, type[Method]] = {
 
 
 # NAME+SUFFIX wraps method NAME: position changes wrap a method rather than being driver flags
-WRAPPERS: dict[str, type[Method]] = {"rerotate": KeyRerotation}
+WRAPPERS: dict[str, type[MethodWrapper]] = {w.suffix: w for w in (KeyRerotation, ChunkSelection)}
 
 
 def get_method(name: str, **params: object) -> Method:
@@ -50,8 +52,11 @@ def get_method(name: str, **params: object) -> Method:
         if not at:
             return WRAPPERS[suffix](method=get_method(base, **params))
         if not (arg.isascii() and arg.isdigit()):
-            raise EdgekvError(f"{name!r}: the number after '@' must be a whole number of positions, got {arg!r}")
-        return WRAPPERS[suffix](method=get_method(base, **params), limit=int(arg))
+            raise EdgekvError(f"{name!r}: the number after '@' must be a whole number, got {arg!r}")
+        wrapper = WRAPPERS[suffix]
+        if not wrapper.arg:
+            raise EdgekvError(f"{name!r}: +{suffix} takes no '@' argument")
+        return wrapper(method=get_method(base, **params), **{wrapper.arg: int(arg)})
     cls = METHODS.get(name)
     if cls is None:
         raise EdgekvError(f"unknown method {name!r}; available: {', '.join(METHODS)}")
@@ -82,4 +87,5 @@ def _check_type(method: str, name: str, default: object, value: object) -> None:
         raise EdgekvError(f"parameter {name!r} of {method} takes {kind.__name__} values, got {value!r}")
 
 
-__all__ = ["METHODS", "WRAPPERS", "KeyRerotation", "Method", "ScorerMethod", "get_method"]
+__all__ = ["METHODS", "WRAPPERS", "ChunkSelection", "KeyRerotation", "Method", "MethodWrapper", "ScorerMethod",
+           "get_method"]

@@ -131,10 +131,15 @@ class Method:
         unless ``why`` is "schedule" (a step of the method's own schedule, see ``due``)."""
         raise NotImplementedError
 
+    def snapshot(self, engine: KVEngine) -> KVSnapshot:
+        """What ``select`` reads: the engine's snapshot, plus whatever the method computes
+        from the engine itself first (KVzip's reconstruction pass)."""
+        return engine.snapshot()
+
     def compress(self, engine: KVEngine, target: int, *, why: Why = "call") -> int:
         """One compression of the engine's cache towards ``target`` cells; returns
         how far positions moved (0: evicting methods keep every position)."""
-        snap = engine.snapshot()
+        snap = self.snapshot(engine)
         keep = self.select(snap, target, why=why)
         if keep.shape[2] < snap.n_cells:
             engine.compact(keep)

@@ -114,16 +114,16 @@ class KVzip(ScorerMethod):
 
     def compress(self, engine: KVEngine, target: int, *, why: Why = "call") -> int:
         if target >= engine.n_cells:
-            return 0
+            return 0  # nothing to evict: no reconstruction pass
+        return super().compress(engine, target, why=why)
+
+    def snapshot(self, engine: KVEngine) -> KVSnapshot:
         scores, token_pos = self.reconstruct(engine)
         snap = engine.snapshot()
         if not np.array_equal(snap.token_pos, token_pos):
             raise EdgekvError("kvzip: the cache changed under its reconstruction pass")
         snap.reconstruction = scores
-        keep = self.select(snap, target, why=why)
-        if keep.shape[2] < snap.n_cells:
-            engine.compact(keep)
-        return 0
+        return snap
 
     def reconstruct(self, engine: KVEngine) -> tuple[np.ndarray, np.ndarray]:
         """KVzip's scores [rows, n_kv_head, n] of the engine's cells (position order), and the

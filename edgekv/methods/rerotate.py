@@ -4,23 +4,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
-
-import numpy as np
 
 from ..errors import EdgekvError
 from ..gguf_info import ModelInfo
 from ..kvcache.engine import KVEngine
 from ..kvcache.rope import Rope
-from ..kvcache.snapshot import KVSnapshot
-from .base import Method, Why
-
-if TYPE_CHECKING:
-    from ..config import BudgetRule
+from .base import Why
+from .wrapper import MethodWrapper
 
 
 @dataclass
-class KeyRerotation(Method):
+class KeyRerotation(MethodWrapper):
     """Wraps a method (as kvpress's ``KeyRerotationPress`` does): after each compression
     that evicts, the cells get the positions 0..n-1 and every (layer, KV head)'s keys
     are re-rotated to them (``engine.renumber``), so each head sees what it kept as
@@ -40,68 +34,28 @@ class KeyRerotation(Method):
     N - n tokens of text instead of at every compression. 0 (the default)
     renumbers after every compression that evicts, as kvpress does."""
 
-    # what ``edgekv methods`` says of NAME+rerotate
-    about: ClassVar[str] = ("NAME, then the cells renumbered 0..n-1 after each compression, every head's keys "
-                            "re-rotated to match (for documents past the trained context); NAME+rerotate@N: "
-                            "only at compressions where the next position has reached N")
+    suffix = "rerotate"
+    arg = "limit"
+    about = ("NAME, then the cells renumbered 0..n-1 after each compression, every head's keys "
+             "re-rotated to match (for documents past the trained context); NAME+rerotate@N: "
+             "only at compressions where the next position has reached N")
 
-    method: Method | None = None
     limit: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        # (a default only because the base's fields have defaults; a method is required)
-        if not isinstance(self.method, Method):
-            raise EdgekvError("KeyRerotation wraps a method instance, e.g. KeyRerotation(get_method('knorm'))")
         if self.method.shifts_positions:
             raise EdgekvError(f"{self.method.name} already moves positions itself; it takes no re-rotation")
         if not isinstance(self.limit, int) or isinstance(self.limit, bool) or self.limit < 0:
             raise EdgekvError(f"the re-rotation limit must be a position >= 0 (NAME+rerotate@N), got {self.limit!r}")
-        # what the Session's budget checks read: the wrapped method's
-        self.sinks, self.window = self.method.sinks, self.method.window
-
-    # the wrapped method answers everything but the positions
-    @property
-    def name(self) -> str:  # type: ignore[override]
-        return f"{self.method.name}+rerotate" + (f"@{self.limit}" if self.limit else "")
 
     @property
     def summary(self) -> str:  # type: ignore[override]
         when = f"whenever the next position has reached {self.limit}" if self.limit else "after each compression"
         return f"{self.method.summary}; positions renumbered 0..n-1 {when}"
 
-    @property
-    def compresses(self) -> bool:  # type: ignore[override]
-        return self.method.compresses
-
-    @property
-    def needs(self) -> frozenset[str]:  # type: ignore[override]
-        return self.method.needs
-
-    @property
-    def tallies(self) -> bool:  # type: ignore[override]
-        return self.method.tallies
-
-    @property
-    def query_statistics(self) -> bool:  # type: ignore[override]
-        return self.method.query_statistics
-
-    @property
-    def queries_needed(self) -> int:
-        return self.method.queries_needed
-
-    @property
-    def scratch_cells(self) -> int:
-        return self.method.scratch_cells
-
     def params(self) -> dict[str, object]:
         return {**self.method.params(), "rerotate": True, **({"rerotate_limit": self.limit} if self.limit else {})}
-
-    def bind(self, rule: BudgetRule) -> None:
-        self.method.bind(rule)
-
-    def budget_error(self, budget: int) -> str | None:
-        return self.method.budget_error(budget)
 
     def attach(self, info: ModelInfo) -> None:
         if info.positions != "rope":  # learned or ALiBi positions: keys carry no rotation
@@ -112,18 +66,6 @@ class KeyRerotation(Method):
             raise EdgekvError(f"re-rotating keys is not supported for {info.arch} (sliding-window layers: "
                               "two caches, two RoPE bases); run without position re-indexing")
         self.method.attach(info)
-
-    def due(self, tokens_since_compress: int, n_cells: int) -> bool:
-        return self.method.due(tokens_since_compress, n_cells)
-
-    def protected(self, snap: KVSnapshot) -> np.ndarray:
-        return self.method.protected(snap)
-
-    def min_budget(self, snap: KVSnapshot) -> int:
-        return self.method.min_budget(snap)
-
-    def select(self, snap: KVSnapshot, budget: int, *, why: Why = "call") -> np.ndarray:
-        return self.method.select(snap, budget, why=why)
 
     def compress(self, engine: KVEngine, target: int, *, why: Why = "call") -> int:
         Rope.of(engine.ctx.model)  # a model it cannot re-rotate is refused before anything is evicted
