@@ -195,6 +195,8 @@ def _read_value(cur: _Cursor, vtype: GGUFValueType, key: str) -> Any:
                 raise _Corrupt(f"nested array {key!r} with {count} elements")
             return [_read_value(cur, etype, key) for _ in range(count)]
         if etype == GGUFValueType.STRING:
+            if key == VOCAB_KEY:
+                return _vocabulary(cur, count)
             if count > _MAX_DECODED_ARRAY:
                 for _ in range(count):
                     cur.skip_string(key)
@@ -210,6 +212,28 @@ def _read_value(cur: _Cursor, vtype: GGUFValueType, key: str) -> Any:
         cur.pos += size * count
         return vals
     return cur.scalar(_SCALAR_FMT[vtype], key)
+
+
+VOCAB_KEY = "tokenizer.ggml.tokens"
+
+
+def _vocabulary(cur: _Cursor, count: int) -> list[str] | LargeArray:
+    """The token strings, checked as llama.cpp needs them: it maps every string to its id
+    and aborts the process (GGML_ASSERT in llama-vocab.cpp) when two ids share a string
+    (empty ones it renames first). Decoded only when short, as other string arrays."""
+    seen: dict[bytes, int] = {}
+    out: list[str] = []
+    for i in range(count):
+        n = cur.scalar("Q", VOCAB_KEY)
+        cur.need(n, VOCAB_KEY)
+        raw = bytes(cur.buf[cur.pos : cur.pos + n])
+        cur.pos += n
+        if raw and seen.setdefault(raw, i) != i:
+            raise _Corrupt(f"its vocabulary lists the token {raw.decode('utf-8', 'replace')!r} twice (ids "
+                           f"{seen[raw]} and {i}), which llama.cpp cannot load")
+        if count <= _MAX_DECODED_ARRAY:
+            out.append(raw.decode("utf-8", errors="replace"))
+    return out if count <= _MAX_DECODED_ARRAY else LargeArray(GGUFValueType.STRING, count)
 
 
 def read_gguf_header(path: str | os.PathLike[str]) -> GGUFHeader:

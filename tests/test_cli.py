@@ -63,7 +63,9 @@ def bad_models(tmp_path_factory, smollm2_path: Path) -> dict[str, Path]:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    _duplicate_a_token(smollm2_path, d / "duptoken.gguf")
     return {
+        "duptoken": d / "duptoken.gguf",
         "missing": d / "no-such-model.gguf",
         "dir": d / "dir.gguf",
         "empty": d / "empty.gguf",
@@ -73,9 +75,26 @@ def bad_models(tmp_path_factory, smollm2_path: Path) -> dict[str, Path]:
     }
 
 
+def _duplicate_a_token(src: Path, dst: Path) -> None:
+    """The default model with one token's string overwritten by another of the same length:
+    the mutation that made llama.cpp abort the whole process (GGML_ASSERT in llama-vocab.cpp)."""
+    import struct
+
+    import gguf
+
+    field = gguf.GGUFReader(src).fields["tokenizer.ggml.tokens"]
+    tokens = [bytes(field.parts[i]) for i in field.data[1000:1400]]
+    a, b = next((x, y) for i, x in enumerate(tokens) for y in tokens[i + 1:] if len(x) == len(y) > 3)
+    data = bytearray(src.read_bytes())
+    at = data.index(struct.pack("<Q", len(a)) + a, data.index(b"tokenizer.ggml.tokens")) + 8
+    data[at : at + len(a)] = b
+    dst.write_bytes(bytes(data))
+
+
 @pytest.mark.parametrize(
     "kind, expect",
     [
+        ("duptoken", "twice"),
         ("missing", "neither a file nor a known model"),
         ("dir", "directory"),
         ("empty", "empty"),
@@ -89,7 +108,7 @@ def test_bad_model_file(bad_models, kind, expect):
     assert_one_line_error(r, expect)
 
 
-@pytest.mark.parametrize("kind", ["missing", "truncated", "text"])
+@pytest.mark.parametrize("kind", ["missing", "truncated", "text", "duptoken"])
 def test_info_bad_model_file(bad_models, kind):
     assert_one_line_error(run_cli("info", bad_models[kind]))
 
