@@ -338,10 +338,10 @@ def test_ctrl_c_stops_the_reply_and_keeps_the_conversation(tmp_path) -> None:
     chat.wait_for(lambda: "(stopped)" in "".join(chat.err))
     chat.say("What was the cat's name?")
     chat.wait_for(lambda: len([ln for ln in "".join(chat.err).splitlines() if ln.startswith("[cells")]) >= 2)
-    chat.say("The harbour log of the old town, day after day. " * 600)  # a long prefill...
+    chat.say("The harbour log of the old town, day after day. " * 2000)  # a long prefill (22k tokens)...
     import time
 
-    time.sleep(4)
+    time.sleep(3)
     chat.p.send_signal(signal.SIGINT)  # ...stopped in the middle
     chat.wait_for(lambda: "that message is dropped" in "".join(chat.err))
     chat.say("Say hello.")
@@ -357,7 +357,7 @@ def test_ctrl_c_stops_the_reply_and_keeps_the_conversation(tmp_path) -> None:
     assert first in "".join(chat.out)  # what was shown is what was kept
     assert turns[1]["tokens_seen"] > turns[0]["tokens_seen"] + 5  # the same cache went on
     # the rebuilt cache holds the three turns' messages again (the last reply: up to 400 tokens),
-    # not the dropped message's 6000 or so
+    # not the dropped message's 22000 or so
     assert turns[2]["tokens_seen"] < turns[1]["tokens_seen"] + 30 + 400
 
 
