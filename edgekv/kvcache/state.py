@@ -419,6 +419,7 @@ class StateEngine:
             self.tally = (AttentionTally(state.tally) if state.tally is not None
                           else AttentionTally.zeros(len(self.layers), self.n_kv_head, state.n_cells))
         if self.moments is not None:  # so does one keeping query statistics (with its own RoPE)
-            self.moments = self._new_moments()
             if state.moments is not None:
                 self.moments.load(state.moments)
+            else:
+                self.moments.clear()
