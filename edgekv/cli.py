@@ -423,7 +423,7 @@ def serve(
     max_prompt_tokens: Annotated[int, typer.Option(help="Most prompt tokens one request may add (a prefill limit per request).")] = 16384,
     max_tokens: Annotated[int, typer.Option(help="Default longest reply, in tokens, when a request gives none.")] = 512,
     temperature: Annotated[float, typer.Option(help="Default temperature when a request gives none (0 = greedy).")] = 0.7,
-    state_dir: Annotated[Path | None, typer.Option(help="Keep conversations here, across restarts: at exit every one is saved with an index, and the next server on this directory resumes them. Default: a new directory under ~/.cache/edgekv/server, removed at exit.")] = None,
+    state_dir: Annotated[Path | None, typer.Option(help="Keep conversations here, across restarts and crashes: every completed turn is recorded before its reply ends, and the next server on this directory resumes each conversation (from its saved cache, or rebuilt from its messages). Default: a new directory under ~/.cache/edgekv/server, removed at exit.")] = None,
     model_name: Annotated[str | None, typer.Option(help="The model id clients send (default: the registry name or the file name without .gguf).")] = None,
 ) -> None:
     """OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models,

@@ -432,8 +432,9 @@ def test_seeds_and_replies_the_client_trims_or_cuts(served) -> None:
 
 
 def test_conversations_outlive_a_restart_with_a_state_dir(smollm2, tmp_path) -> None:
-    """persist: at shutdown every conversation is saved with an index; the next server on the
-    same directory continues it, with the answer an uninterrupted server gives."""
+    """persist: every completed turn is recorded at once, each cache is saved at shutdown; the
+    next server on the same directory continues each conversation with the answer an
+    uninterrupted server gives."""
     from edgekv.errors import EdgekvError
 
     first = [{"role": "user", "content": "Tell me about a small harbour town and the people who live there. " * 8}]
@@ -451,26 +452,54 @@ def test_conversations_outlive_a_restart_with_a_state_dir(smollm2, tmp_path) -> 
         want, ek0 = ask(base, [*first, {"role": "assistant", "content": a1}, {"role": "user", "content": later}])
     kept = tmp_path / "kept"
     with running(server(kept, persist=True)) as base:
-        assert ask(base, first)[0] == a1
-    assert (kept / "conversations.json").is_file() and len(list(kept.glob("conv-*.ekv"))) == 1
+        text, ek = ask(base, first)
+        assert text == a1
+        record = kept / f"{ek['conversation']}.json"
+        rec = json.loads(record.read_text())  # on disk before the reply ended, no cache named yet
+        assert rec["messages"] == [*first, {"role": "assistant", "content": a1}] and rec["cache_sha256"] is None
+    rec = json.loads(record.read_text())  # the clean exit saved the cache, and the record names it
+    cache = kept / f"{ek['conversation']}.ekv"
+    assert rec["cache_sha256"] == cache.read_bytes()[-32:].hex()
     with running(server(kept, persist=True)) as base:
         assert _stats(base)["totals"]["saved"] == 1
-        assert not (kept / "conversations.json").exists()  # until a clean exit: a crash leaves no stale index
         text, ek = ask(base, [*first, {"role": "assistant", "content": a1}, {"role": "user", "content": later}])
         assert _stats(base)["totals"]["resumes"] == 1
-    assert ek["continued"] and ek["compressions"] >= 1 and ek["requests"] == 2
+    assert ek["continued"] and not ek["rebuilt"] and ek["compressions"] >= 1 and ek["requests"] == 2
     assert text == want and (ek["cells"], ek["tokens_seen"]) == (ek0["cells"], ek0["tokens_seen"])
     # a server of another shape on that directory stops at start, and loses nothing
-    before = (kept / "conversations.json").read_bytes()
+    before = record.read_bytes()
     with pytest.raises(EdgekvError, match="n_ctx 160"):
         server(kept, n_ctx=192, persist=True)
-    assert (kept / "conversations.json").read_bytes() == before
-    # a saved conversation whose settings this edgekv cannot run (a method since removed) is
-    # not resumed: the server starts, its file goes, and the same messages start over
-    index = json.loads(before)
-    index["conversations"][0]["settings"]["method"] = "retired_method"
-    (kept / "conversations.json").write_text(json.dumps(index))
+    assert record.read_bytes() == before and cache.is_file()
+    # a record that does not parse stops the server with one line naming it, and loses nothing
+    (kept / "conv-0000.json").write_text("{not json")
+    with pytest.raises(EdgekvError, match="conv-0000.json is not a readable conversation record"):
+        server(kept, persist=True)
+    (kept / "conv-0000.json").unlink()
+    # the index earlier servers wrote at a clean exit becomes records, paired with their caches
+    old = {"version": 1, **{k: rec["shape"][k] for k in rec["shape"]}, "conversations": [
+        {**{k: rec[k] for k in ("id", "kind", "messages", "text", "reply_len", "requests", "last_used",
+                                "settings", "stats")}, "file": cache.name}]}
+    record.unlink()
+    (kept / "conversations.json").write_text(json.dumps(old))
     with running(server(kept, persist=True)) as base:
-        assert _stats(base)["totals"]["conversations"] == 0 and not list(kept.glob("conv-*.ekv"))
+        assert not (kept / "conversations.json").exists() and record.is_file()
+        assert _stats(base)["totals"]["saved"] == 1
+    # a cache file damaged on disk (its digest no longer matches its bytes) is refused when the
+    # conversation resumes: it is rebuilt from its messages, under the same id
+    blob = bytearray(cache.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    cache.write_bytes(bytes(blob))
+    with running(server(kept, persist=True)) as base:
+        text, ek2 = ask(base, [*first, {"role": "assistant", "content": a1}, {"role": "user", "content": later}])
+    assert ek2["conversation"] == ek["conversation"] and ek2["continued"] and ek2["rebuilt"] and text
+    assert json.loads(record.read_text())["requests"] == 2
+    # a saved conversation whose settings this edgekv cannot run (a method since removed) is
+    # not resumed: the server starts, its files go, and the same messages start over
+    rec = json.loads(record.read_text())
+    rec["settings"]["method"] = "retired_method"
+    record.write_text(json.dumps(rec))
+    with running(server(kept, persist=True)) as base:
+        assert _stats(base)["totals"]["conversations"] == 0 and not list(kept.glob("conv-*"))
         text, ek = ask(base, [*first, {"role": "assistant", "content": a1}, {"role": "user", "content": later}])
         assert not ek["continued"] and text

@@ -80,15 +80,41 @@ def save_cache_file(path: str | Path, state: CacheState, header: dict) -> None:
     parts = [MAGIC + len(hb).to_bytes(4, "little") + hb, state.token_pos.astype("<i4").tobytes(), state.blob,
              *(a.tobytes() for a in arrays.values())]
     digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part)
+    write_atomic(path, [*parts, digest.digest()])
+
+
+def write_atomic(path: str | Path, parts: list[bytes]) -> None:
+    """Write ``parts`` to ``path`` so that a crash at any moment leaves either the old file
+    or the whole new one: a ``.part`` file, fsynced, renamed into place, the directory fsynced
+    (without that last step the rename itself may not survive a power loss)."""
+    path = Path(path)
     tmp = Path(str(path) + ".part")
     with open(tmp, "wb") as f:
         for part in parts:
-            digest.update(part)
             f.write(part)
-        f.write(digest.digest())
         f.flush()
         os.fsync(f.fileno())  # the rename must not land before the bytes do
     tmp.replace(path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def file_digest(path: str | Path) -> str | None:
+    """The SHA-256 a session file ends with, as hex (None for a file too short to have one):
+    what names one exact file, read without reading the file. ``load_cache_file`` checks it."""
+    try:
+        with open(path, "rb") as f:
+            if f.seek(0, os.SEEK_END) < len(MAGIC) + 4 + DIGEST:
+                return None
+            f.seek(-DIGEST, os.SEEK_END)
+            return f.read(DIGEST).hex()
+    except OSError:
+        return None
 
 
 def load_cache_file(path: str | Path, engine: str) -> tuple[CacheState, dict]:

@@ -16,7 +16,6 @@ the store; ``lock`` guards what the stats endpoint reads.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -30,11 +29,9 @@ from ..errors import EdgekvError
 from ..llama import Model
 from ..methods import METHODS, Method
 from ..session import Session, Stats
+from . import journal
 
 log = logging.getLogger("edgekv.server")
-
-INDEX = "conversations.json"  # with persist: what each saved conversation is, for the next server
-INDEX_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -67,7 +64,7 @@ class ServerConfig:
     max_prompt_tokens: int = 16384
     max_tokens: int = 512
     temperature: float = 0.7
-    persist: bool = False  # conversations outlive the server: saved with an index in state_dir at exit
+    persist: bool = False  # conversations outlive the server, and a crash: recorded in state_dir at every turn
 
     def settings(self, method: str | None, budget: int | None, ratio: float | None,
                  params: dict[str, object] | None) -> Settings:
@@ -98,6 +95,8 @@ class Conversation:
     reply_len: int = 0  # characters of the last reply, the part of ``text`` a client may trim
     session: Session | None = None
     file: Path | None = None
+    file_current: bool = False  # ``file`` holds exactly what the conversation's text says its cache was fed
+    rebuild: bool = False  # no cache anywhere (after a crash): its next turn prefills the whole text again
     stats: Stats | None = None  # the session's counters, kept while it is on disk
     merges: bool = False  # the method merges cells instead of evicting them
     busy: bool = False
@@ -136,7 +135,7 @@ class Store:
         self.created = 0  # conversations made by this server (a refused request makes none)
         cfg.state_dir.mkdir(parents=True, exist_ok=True)
         if cfg.persist:
-            self._load_index()
+            self._load()
 
     # -- finding ---------------------------------------------------------------
     def find_chat(self, messages: list[dict[str, str]], settings: Settings | None) -> Conversation | None:
@@ -248,15 +247,34 @@ class Store:
         return sess
 
     def save(self, conv: Conversation) -> None:
-        """Write a live conversation to its session file; its context becomes a spare."""
+        """Write a live conversation to its session file; its context becomes a spare. With
+        ``persist``, its record then names the file (file first: a crash between the two leaves
+        the old record, which does not name these bytes)."""
         assert conv.session is not None and not conv.busy
-        path = self.cfg.state_dir / f"{conv.id}.ekv"
-        conv.session.save_file(path)
+        path = journal.cache_path(self.cfg.state_dir, conv.id)
+        if not conv.file_current:  # resumed and not changed since: the file already holds it
+            conv.session.save_file(path)
         with self.lock:
             conv.file, conv.stats = path, conv.session.stats
             sess, conv.session = conv.session, None
+        conv.file_current = True
         self._spare.append(sess)
         self.saves += 1
+        if self.cfg.persist and conv.requests:
+            self.commit(conv)
+
+    def commit(self, conv: Conversation) -> None:
+        """With ``persist``, make the conversation's completed turns durable: its record,
+        written atomically (``journal``), naming its session file while that file is current."""
+        if not self.cfg.persist:
+            return
+        s = conv.settings
+        journal.write(self.cfg.state_dir, self._shape(), journal.Entry(
+            id=conv.id, kind=conv.kind,
+            settings={"method": s.method, "budget": s.budget, "ratio": s.ratio, "params": dict(s.params)},
+            messages=conv.messages, text=conv.text, reply_len=conv.reply_len, requests=conv.requests,
+            last_used=conv.last_used, stats=conv.current_stats(),
+            cache=conv.file if conv.file_current else None))
 
     def drop(self, conv: Conversation) -> None:
         """Forget a conversation: its file goes, its context becomes a spare."""
@@ -265,9 +283,11 @@ class Store:
             sess, conv.session = conv.session, None
         if sess is not None:
             self._spare.append(sess)
+        if self.cfg.persist:
+            journal.remove(self.cfg.state_dir, conv.id)
         if conv.file is not None:
             conv.file.unlink(missing_ok=True)
-            conv.file = None
+            conv.file, conv.file_current = None, False
 
     def _forget_oldest(self) -> None:
         """Past ``max_conversations``, the least recently used idle ones are forgotten (a later
@@ -279,13 +299,13 @@ class Store:
             self.drop(idle[0])
 
     def close(self) -> None:
-        """Free every context; with ``persist``, save every conversation and write the index
-        the next server on this state_dir resumes from, else forget them and their files."""
+        """Free every context; with ``persist``, save every conversation's cache so the next
+        server resumes it without a prefill (its record is already on disk), else forget them
+        and their files."""
         if self.cfg.persist:
             for conv in list(self.convs.values()):
-                if conv.live and not conv.busy:
+                if conv.live and not conv.busy and conv.requests:
                     self.save(conv)
-            self._write_index()
         else:
             for conv in list(self.convs.values()):
                 self.drop(conv)
@@ -300,65 +320,23 @@ class Store:
         return {"model": c.model.path.name, "model_size": c.model.path.stat().st_size, "n_ctx": c.n_ctx,
                 "cache_type_k": c.options.cache_type_k, "cache_type_v": c.options.cache_type_v}
 
-    def _write_index(self) -> None:
-        saved = [c for c in self.convs.values() if c.file is not None and c.file.is_file()]
-        index = {"version": INDEX_VERSION, **self._shape(), "conversations": [{
-            "id": c.id, "kind": c.kind, "file": c.file.name, "messages": c.messages, "text": c.text,
-            "reply_len": c.reply_len, "requests": c.requests, "last_used": c.last_used,
-            "settings": {"method": c.settings.method, "budget": c.settings.budget, "ratio": c.settings.ratio,
-                         "params": dict(c.settings.params)},
-            "stats": c.stats.as_dict() if c.stats is not None else None,
-        } for c in saved]}
-        tmp = self.cfg.state_dir / (INDEX + ".part")
-        tmp.write_text(json.dumps(index))
-        tmp.replace(self.cfg.state_dir / INDEX)
-
-    def _load_index(self) -> None:
-        """Conversations a previous server saved here. An index for another model or context shape,
-        or one that does not parse, stops the server with one line: writing this server's index
-        over it at exit would lose those conversations."""
-        path = self.cfg.state_dir / INDEX
-        if not path.is_file():
-            return
-        try:
-            index = json.loads(path.read_text())
-            if not isinstance(index, dict) or index.get("version") != INDEX_VERSION:
-                raise ValueError("not an index this edgekv writes")
-        except (ValueError, UnicodeDecodeError) as err:
-            raise EdgekvError(f"{path} is not a readable conversation index ({err}); use another --state-dir") from None
-        theirs = {k: index.get(k) for k in self._shape()}
-        if theirs != self._shape():
-            diff = ", ".join(f"{k} {theirs[k]}" for k in theirs if theirs[k] != self._shape()[k])
-            raise EdgekvError(f"{self.cfg.state_dir} holds conversations of another server ({diff}); "
-                              "use another --state-dir")
-        try:
-            for e in index["conversations"]:
-                st = e["stats"]
-                stats = Stats.from_dict(st) if st else None
-                s = e["settings"]
-                settings = Settings(s["method"], s["budget"], s["ratio"], tuple(sorted(s["params"].items())))
-                rule = settings.rule(self.cfg.n_ctx)
-                try:
-                    method = rule.build()
-                except EdgekvError as err:  # settings this edgekv no longer runs: its file goes below,
-                    log.warning("conversation %s is not resumed: %s", e["id"], err)  # a request starts over
-                    continue
-                conv = Conversation(
-                    id=e["id"], kind=e["kind"], file=self.cfg.state_dir / Path(e["file"]).name,
-                    settings=settings, rule=rule, method=method,
-                    messages=list(e["messages"]), text=e["text"], reply_len=int(e["reply_len"]),
-                    requests=int(e["requests"]), last_used=float(e["last_used"]), stats=stats)
-                if conv.file.is_file():
-                    self.convs[conv.id] = conv
-        except (ValueError, KeyError, TypeError, AttributeError) as err:
-            raise EdgekvError(f"{path} is not a readable conversation index ({err}); use another --state-dir") from None
-        # The index describes the files as they are now; this server will rewrite them as it goes.
-        # Removed until a clean exit writes it again, so that after a crash no index can pair old
-        # messages with a newer cache (those conversations then start over from their messages).
-        path.unlink()
-        for f in self.cfg.state_dir.glob("conv-*.ekv"):
-            if f.stem not in self.convs:
-                f.unlink()  # a crashed server's saves: no index says what they hold
+    def _load(self) -> None:
+        """The conversations recorded in state_dir (``journal.load``: one line and no start for a
+        directory of another server), each with its cache where its record names the file."""
+        for e in journal.load(self.cfg.state_dir, self._shape()):
+            st = e.settings
+            settings = Settings(st["method"], st["budget"], st["ratio"], tuple(sorted(st["params"].items())))
+            rule = settings.rule(self.cfg.n_ctx)
+            try:
+                method = rule.build()
+            except EdgekvError as err:  # settings this edgekv no longer runs: a request starts over
+                log.warning("conversation %s is not resumed: %s", e.id, err)
+                journal.remove(self.cfg.state_dir, e.id)
+                continue
+            self.convs[e.id] = Conversation(
+                id=e.id, kind=e.kind, settings=settings, rule=rule, method=method, messages=e.messages,
+                text=e.text, reply_len=e.reply_len, requests=e.requests, last_used=e.last_used, stats=e.stats,
+                file=e.cache, file_current=e.cache is not None, rebuild=e.cache is None)
 
     # -- reporting -------------------------------------------------------------------
     def describe(self, conv: Conversation) -> dict[str, object]:
@@ -370,7 +348,8 @@ class Store:
             "id": conv.id, "kind": conv.kind, "method": conv.settings.method,
             "budget": conv.settings.budget, "ratio": conv.settings.ratio,
             "params": dict(conv.settings.params),
-            "state": "busy" if conv.busy else ("live" if conv.live else ("saved" if conv.file else "new")),
+            "state": "busy" if conv.busy else ("live" if conv.live else ("saved" if conv.file_current else
+                                                                       "messages" if conv.rebuild else "new")),
             "live": conv.live,
             "capacity": self.cfg.n_ctx, "cells": cells, "peak_cells": s.peak_cells if s else 0,
             "compressions": s.compressions if s else 0, "tokens_seen": s.tokens_seen if s else 0,

@@ -56,7 +56,8 @@ class Turn:
 
 
 def _claim(store: Store, turn: Turn, rendered: str) -> tuple[Conversation, int]:
-    """The conversation this turn continues and where its new text starts, or a new one (start 0).
+    """The conversation this turn continues and where its new text starts: 0 for a new one,
+    and for one whose cache was lost (rebuilt from its text, the new prompt included).
 
     A continuation must diverge from what the cache was fed only inside the last reply (a
     client trimming it); a template that re-renders older turns differently would otherwise
@@ -69,7 +70,7 @@ def _claim(store: Store, turn: Turn, rendered: str) -> tuple[Conversation, int]:
         start = common_prefix(conv.text, rendered)
         if start >= len(conv.text) - conv.reply_len:
             conv.busy = True
-            return conv, start
+            return conv, 0 if conv.rebuild else start
     return store.new(turn.kind, turn.settings, turn.rule, turn.method), 0
 
 
@@ -81,7 +82,7 @@ def run_turn(store: Store, turn: Turn) -> Iterator[TurnEvent]:
     model = store.cfg.model
     rendered = model.apply_chat_template(turn.messages, add_assistant=True) if turn.kind == "chat" else turn.prompt
     conv, start = _claim(store, turn, rendered)
-    continued = start > 0
+    continued = conv.requests > 0  # a known conversation, whether its cache is kept or rebuilt
     touched = finished = False
     try:
         while True:
@@ -91,20 +92,21 @@ def run_turn(store: Store, turn: Turn) -> Iterator[TurnEvent]:
             except EdgekvError as e:
                 if conv.file is None:
                     raise
-                # its session file no longer loads: start the conversation over from the messages
-                log.warning("conversation %s could not be resumed (%s); starting it over", conv.id, e)
-                store.drop(conv)
-                conv, start, continued = store.new(turn.kind, turn.settings, turn.rule, turn.method), 0, False
+                # its session file no longer loads: rebuild the conversation from its text
+                log.warning("conversation %s could not be resumed (%s); rebuilding it from its messages", conv.id, e)
+                conv.file.unlink(missing_ok=True)
+                conv.file, conv.file_current, conv.rebuild, start = None, False, True, 0
                 continue
             yield None  # every live context is busy: wait for a turn to end
         store.touch(conv)
         sess = conv.session
         assert sess is not None
-        tokens = model.tokenize(rendered[start:], add_special=not continued, parse_special=True)
+        rebuilt = conv.rebuild
+        tokens = model.tokenize(rendered[start:], add_special=start == 0, parse_special=True)
         _check_prompt(store, sess, tokens)
         sess.reset_sampler()  # each request samples from its own seed
         before = (sess.stats.tokens_seen, sess.stats.compressions, sess.stats.tokens_evicted)
-        yield ("ready", {"conversation": conv.id, "continued": continued})
+        yield ("ready", {"conversation": conv.id, "continued": continued, "rebuilt": rebuilt})
         touched = True
         conv.prefill = (0, len(tokens))
         for progress in sess.prefill(tokens):
@@ -118,6 +120,9 @@ def run_turn(store: Store, turn: Turn) -> Iterator[TurnEvent]:
         for piece in sess.stream(turn.max_tokens, turn.sampler, stop=turn.stop, reply=reply, until_full=True):
             yield ("delta", piece) if piece else None
         done = _account(store, conv, turn, reply, before, len(tokens), continued)
+        done["edgekv"]["rebuilt"] = rebuilt  # its cache was lost (a crash): this turn prefilled it all again
+        conv.file_current = conv.rebuild = False  # the cache moved on from any file
+        store.commit(conv)  # durable before the reply ends
         finished = True  # the conversation is whole again: free for the next request before the reply is out
         conv.busy = False
         yield ("done", done)
