@@ -28,6 +28,14 @@ class ContextShift(Method):
     sinks: int = 0
     window: int = 1
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.n_keep, bool) or not isinstance(self.n_keep, int) or self.n_keep < 0:
+            raise ValueError(f"n_keep must be a whole number >= 0, got {self.n_keep!r}")
+        if (self.sinks, self.window) != (0, 1):  # fixed: what llama.cpp keeps is n_keep and the newer half
+            raise ValueError("sinks and window do not apply to context_shift: it keeps the first n_keep "
+                             "tokens and the newer half of the rest (set n_keep)")
+
     def n_discard(self, n_cells: int) -> int:
         return max(0, (n_cells - self.n_keep) // 2)
 
