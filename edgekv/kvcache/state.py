@@ -383,6 +383,7 @@ class StateEngine:
         st = layout.parse_seq_state(state.blob, n_caches=self.n_caches, n_layers=None)
         if st.sections[0].n_cells != state.n_cells:
             raise StateLayoutError("saved state and its token map disagree on the cell count")
+        _check_positions(st.sections[0].pos, state)
         if state.n_cells > self.ctx.n_ctx:
             raise StateLayoutError(
                 f"saved state holds {state.n_cells} cells, this context has {self.ctx.n_ctx}"
@@ -423,3 +424,20 @@ class StateEngine:
                 self.moments.load(state.moments)
             else:
                 self.moments.clear()
+
+
+def _check_positions(pos: np.ndarray, state: CacheState) -> None:
+    """A blob's cell positions must be >= 0 and, until a merge, shift or renumbering moved
+    cells or keys off their tokens, at most the earliest token each cell holds: every
+    compaction leaves a cell at the earliest position its cells had (``compacted_positions``).
+    llama.cpp takes positions as they are, and a cell placed after a query is masked out of
+    its attention: a position corrupted upwards is refused."""
+    if not pos.size:
+        return
+    srt = np.sort(pos)
+    if srt[0] < 0:
+        raise StateLayoutError("saved state has cells at negative positions")
+    if state.pos_shift == 0 and state.rot is None and state.counts is None:
+        earliest = state.token_pos.reshape(-1, state.n_cells).min(axis=0)
+        if np.any(srt > earliest):
+            raise StateLayoutError("saved state has cells at later positions than the tokens they hold")
