@@ -8,8 +8,16 @@ first turn, so every context size and code path has been allocated once) and at 
 end. With more conversations than ``--max-live`` contexts, the least recently used
 idle conversations go to disk and come back, every turn.
 
+As a soak (``--disconnect``, ``--bad``), clients also walk away mid-reply (the server
+drops that turn's conversation; the client's next turn starts it over from its
+messages) and send malformed requests between turns (each must be a one-line 4xx).
+Memory must then be flat over the turns (``edgekv.bench.drift``: RSS and the server's
+Python heap, from its stats endpoint).
+
     .venv/bin/edgekv bench run server_load --conversations 16 --turns 6
-writes bench/results/server_load.json.
+    .venv/bin/python bench/server_load.py --conversations 64 --turns 20 --disconnect 0.05 --bad 0.1 \
+        --out server_soak
+write bench/results/<out>.json (and, for a soak, a plot beside it).
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import socket
 import statistics
@@ -24,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -55,10 +65,14 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default="server_load", help="result name under bench/results")
     ap.add_argument("--json", default=None, help="write the result here instead (tests)")
+    ap.add_argument("--disconnect", type=float, default=0.0, help="share of turns a client abandons mid-reply")
+    ap.add_argument("--bad", type=float, default=0.0, help="share of turns preceded by a malformed request")
+    ap.add_argument("--seed", type=int, default=0, help="of the disconnects and malformed requests")
     a = ap.parse_args()
 
     import openai
 
+    from edgekv.bench.drift import Drift
     from edgekv.bench.speed import proc_status
 
     port = free_port()
@@ -66,7 +80,8 @@ def main() -> int:
     cmd = [sys.executable, "-m", "edgekv.cli", "serve", a.model, "--method", a.method, "--budget", str(a.budget),
            "--n-ctx", str(a.n_ctx), "--max-live", str(a.max_live), "--port", str(port), "--temperature", "0",
            *(["--threads", str(a.threads)] if a.threads else [])]
-    server = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    # traced, so the stats endpoint can report the server's Python heap (a few % slower)
+    server = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONTRACEMALLOC": "1"})
     server_err: list[str] = []  # drained all along, so a chatty server never blocks on a full pipe
     threading.Thread(target=lambda: server_err.extend(server.stderr), daemon=True).start()
     deadline = time.time() + 120
@@ -98,32 +113,75 @@ def main() -> int:
     lock = threading.Lock()
     rows: list[dict] = []
     errors: list[str] = []
+    drift = Drift(unit="turn")
+    walked_away: dict[int, int] = {}  # conversation -> its last turn, when the client left it mid-reply
+    bad_sent, abandoned = [0], [0]
+
+    def sample(done: int) -> None:
+        st = get(base, "/v1/edgekv/stats")
+        drift.add(done, st["totals"]["cells"], heap_mib=st["process"]["python_heap_mib"],
+                  rss_mib=proc_status("VmRSS", server.pid) - st["process"]["tracemalloc_mib"])
+
+    def malformed(rng: random.Random) -> None:
+        """One request the server must refuse with a one-line 4xx, and lose nothing by."""
+        body = rng.choice([b"{not json", b"[]", json.dumps({"model": model_id}).encode(),
+                           json.dumps({"model": model_id, "messages": "hi"}).encode(),
+                           json.dumps({"model": model_id, "messages": [{"role": "user", "content": "x"}],
+                                       "method": "nosuch"}).encode(),
+                           json.dumps({"model": model_id, "messages": [{"role": "user", "content": "x"}],
+                                       "budget": -4}).encode(),
+                           json.dumps({"model": model_id, "messages": [{"role": "user", "content": "x"}],
+                                       "method_params": {"sinks": -3}}).encode()])
+        req = urllib.request.Request(base + "/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        bad_sent[0] += 1
+        try:
+            urllib.request.urlopen(req, timeout=60)
+            errors.append(f"malformed request {body[:60]!r} was answered")
+        except urllib.error.HTTPError as e:
+            msg = json.load(e).get("error", {}).get("message", "")
+            if not 400 <= e.code < 500 or not msg or "\n" in msg:
+                errors.append(f"malformed request {body[:60]!r}: {e.code} {msg!r}")
 
     def talk(i: int) -> None:
         nonlocal done_turns
+        rng = random.Random(a.seed * 1000 + i)
         c = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600)
         topic = TOPICS[i % len(TOPICS)]
         msgs = [{"role": "system", "content": f"You are conversation {i}. Answer in a few sentences."}]
         for t in range(turns):
             if t == 1:
                 warm.wait()  # every conversation has finished its first turn
+            if rng.random() < a.bad:
+                malformed(rng)
+            leave = t > 0 and rng.random() < a.disconnect
             msgs.append({"role": "user", "content": f"Tell me something new about {topic} (part {t + 1})."})
             start = time.perf_counter()
             first = None
             pieces: list[str] = []
             ek = usage = None
             try:
-                for ch in c.chat.completions.create(model=model_id, messages=msgs, max_tokens=a.max_tokens,
-                                                    stream=True, stream_options={"include_usage": True}):
+                stream = c.chat.completions.create(model=model_id, messages=msgs, max_tokens=a.max_tokens,
+                                                   stream=True, stream_options={"include_usage": True})
+                for ch in stream:
                     if ch.choices and ch.choices[0].delta.content:
                         first = first or time.perf_counter()
                         pieces.append(ch.choices[0].delta.content)
+                        if leave:
+                            stream.close()  # the client walks away mid-reply
+                            break
                     if ch.model_extra.get("edgekv"):
                         ek = ch.model_extra["edgekv"]
                     if ch.usage:
                         usage = ch.usage
             except Exception as e:  # counted, and the conversation goes on
                 errors.append(f"conversation {i} turn {t + 1}: {e}")
+                continue
+            if leave:
+                msgs.pop()  # its next turn asks something else, over the messages the server had
+                with lock:
+                    walked_away[i] = t + 1
+                    abandoned[0] += 1
                 continue
             end = time.perf_counter()
             msgs.append({"role": "assistant", "content": "".join(pieces)})
@@ -135,6 +193,8 @@ def main() -> int:
                              "cached_tokens": usage.prompt_tokens_details.cached_tokens if usage else 0,
                              "continued": bool(ek and ek["continued"]), "cells": ek["cells"] if ek else None})
                 done_turns += 1
+                if done_turns % 4 == 0 or done_turns == n:
+                    sample(done_turns)
                 print(f"[{done_turns}/{n * turns}] conversation {i} turn {t + 1}: {end - start:.1f} s, "
                       f"{usage.completion_tokens if usage else 0} tokens", file=sys.stderr, flush=True)
         if turns == 1:
@@ -160,6 +220,7 @@ def main() -> int:
         code = -9
 
     answered = sum(r["answered"] for r in rows)
+    left = sum(1 for t in walked_away.values() if t == turns)  # conversations dropped at their last turn
     out_tokens = sum(r["completion_tokens"] for r in rows)
     later = [r for r in rows if r["turn"] > 1]
     totals = stats["totals"]
@@ -169,6 +230,8 @@ def main() -> int:
         "config": {"model": model_id, "conversations": n, "turns": turns, "max_tokens": a.max_tokens,
                    "method": a.method, "budget": a.budget, "n_ctx": a.n_ctx, "max_live": a.max_live},
         "requests": n * turns, "answered": answered, "errors": errors,
+        "walked_away": abandoned[0], "malformed_requests": bad_sent[0],
+        "drift": drift.verdict(), "drift_series": drift.series(),
         "wall_s": round(wall, 2), "completion_tokens": out_tokens,
         "completion_tok_s": round(out_tokens / wall, 2),
         "turn_s_median": round(statistics.median(r["seconds"] for r in rows), 2) if rows else None,
@@ -184,9 +247,10 @@ def main() -> int:
                    "exit_code": code},
     }
     checks = {
-        "every turn answered": answered == n * turns and not errors,
+        "every turn answered": answered == n * turns - abandoned[0] and not errors,
         "RSS within 5 % of warm-up": abs(result["rss_mib"]["change_pct"]) <= 5.0,
-        "every conversation kept": totals["conversations"] == n,
+        "every conversation kept": n - left <= totals["conversations"] <= n,
+        "memory flat over the turns": result["drift"]["flat"] is not False,
         "no request still active": totals["active_requests"] == 0,
         "no conversation still busy": result["server"]["busy"] == 0,
         "live within --max-live": totals["live"] <= a.max_live,
@@ -206,7 +270,16 @@ def main() -> int:
     else:
         from edgekv.bench.results import write_json
 
-        print(write_json(a.out, result), file=sys.stderr)
+        path = write_json(a.out, result)
+        if a.disconnect or a.bad:
+            drift.plot(path.with_suffix(".png"), f"server soak: {n} conversations x {turns} turns, --max-live "
+                                                 f"{a.max_live}, {a.method} budget {a.budget}")
+        print(path, file=sys.stderr)
+    d = result["drift"]
+    print(f"memory over the turns: RSS {d['rss_mib']['slope_pct_of_warm_rss_per_1000']} %, Python heap "
+          f"{d['heap_mib']['slope_pct_of_warm_rss_per_1000']} % of the warm RSS per 1000 turns ({d['why']}); "
+          f"{abandoned[0]} replies "
+          f"abandoned, {bad_sent[0]} malformed requests refused", file=sys.stderr)
     print(f"{answered}/{n * turns} answered in {wall:.0f} s ({out_tokens / wall:.1f} tok/s out), turn median "
           f"{result['turn_s_median']} s, first token {result['first_token_s_median']} s; RSS {warm_rss:.0f} MiB "
           f"after warm-up, {end_rss:.0f} MiB at the end ({result['rss_mib']['change_pct']:+.1f} %); "

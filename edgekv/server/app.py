@@ -15,6 +15,7 @@ import json
 import math
 import random
 import time
+import tracemalloc
 import uuid
 from importlib import resources
 from typing import Any
@@ -128,6 +129,10 @@ class App:
     async def stats(self, request: Request) -> Response:
         snap = self.store.snapshot()
         snap["totals"]["active_requests"] = self.worker.active
+        # soak tests watch these stay flat (traced when the server runs with PYTHONTRACEMALLOC=1)
+        tracing = tracemalloc.is_tracing()
+        snap["process"] = {"python_heap_mib": tracemalloc.get_traced_memory()[0] / 2**20 if tracing else None,
+                           "tracemalloc_mib": tracemalloc.get_tracemalloc_memory() / 2**20 if tracing else 0.0}
         want = request.query_params.get("conversation")
         if want is not None:
             convs = [c for c in snap["conversations"] if c["id"] == want]
