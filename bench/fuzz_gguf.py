@@ -35,8 +35,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-EXTREMES = {1: [0, 1, 0x7F, 0xFF], 2: [0, 1, 0x7FFF, 0xFFFF], 4: [0, 1, 2**31 - 1, 2**31, 2**32 - 1],
-            8: [0, 1, 2**31, 2**32, 2**63 - 1, 2**63, 2**64 - 1]}
+from edgekv.bench.mutate import apply, field_value
 
 
 def fields(path: Path) -> tuple[list[list[tuple[int, int]]], int]:
@@ -53,7 +52,7 @@ def fields(path: Path) -> tuple[list[list[tuple[int, int]]], int]:
     for f in [*r.fields.values(), *(t.field for t in r.tensors)]:
         parts = []
         for p in f.parts[:64]:  # a long array's first elements stand for the rest
-            if isinstance(p, np.ndarray) and p.size == 1 and p.dtype.itemsize in EXTREMES:
+            if isinstance(p, np.ndarray) and p.size == 1 and p.dtype.itemsize in (1, 2, 4, 8):
                 parts.append((p.ctypes.data - base, p.dtype.itemsize))
         if parts:
             out.append(parts)
@@ -72,16 +71,7 @@ def mutation(rng: random.Random, data: bytes, layout: list[list[tuple[int, int]]
     if kind == "truncate":
         return {"kind": kind, "size": rng.randrange(header) if rng.random() < 0.8 else rng.randrange(len(data))}
     at, size = rng.choice(rng.choice(layout))
-    old = int.from_bytes(data[at : at + size], "little")
-    value = rng.choice([*EXTREMES[size], old + 1, old - 1, old * 2]) % (1 << (8 * size))
-    return {"kind": kind, "at": at, "bytes": value.to_bytes(size, "little").hex()}
-
-
-def apply(data: bytes, m: dict) -> bytes:
-    if m["kind"] == "truncate":
-        return data[: m["size"]]
-    b = bytes.fromhex(m["bytes"])
-    return data[: m["at"]] + b + data[m["at"] + len(b) :]
+    return field_value(rng, data, at, size)
 
 
 def run_forked(argv: list[str], timeout: float, serve_port: int | None = None) -> dict:

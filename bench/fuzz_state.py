@@ -36,8 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fuzz_gguf import EXTREMES, apply  # noqa: E402  (one home for the mutation recipes)
+from edgekv.bench.mutate import apply, field_value
 
 
 def structure(blob: bytes, n_cells: int) -> tuple[list[tuple[int, int, str]], int]:
@@ -71,9 +70,7 @@ def mutation(rng: random.Random, blob: bytes, fields: list[tuple[int, int, str]]
     kind = rng.choice(["field", "field", "field", "flip", "bytes", "truncate", "append"])
     if kind == "field":
         at, size, name = rng.choice(fields)
-        old = int.from_bytes(blob[at : at + size], "little")
-        value = rng.choice([*EXTREMES[size], old + 1, old - 1, old * 2, old ^ 1]) % (1 << (8 * size))
-        return {"kind": "field", "at": at, "bytes": value.to_bytes(size, "little").hex(), "field": name}
+        return {**field_value(rng, blob, at, size), "field": name}
     if kind == "flip":
         at = rng.randrange(payload if rng.random() < 0.7 else len(blob))
         return {"kind": kind, "at": at, "bytes": bytes([blob[at] ^ (1 << rng.randrange(8))]).hex()}
@@ -122,10 +119,6 @@ def structural(m: dict, fields: list[tuple[int, int, str]], payload: int, n_cell
     return any(not any(a <= at < a + s for a, s in ids) for at, _ in touched)
 
 
-def mutate(blob: bytes, m: dict) -> bytes:
-    return blob + bytes.fromhex(m["bytes"]) if m["kind"] == "append" else apply(blob, m)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -162,7 +155,7 @@ def main() -> int:
         if a.seconds and time.time() - t0 > a.seconds:
             break
         m = mutation(rng, blob, fields, payload)
-        mutant = mutate(blob, m)
+        mutant = apply(blob, m)
         if mutant == blob:
             continue
         print(f"trying #{i} {json.dumps(m)}", file=sys.stderr, flush=True)
