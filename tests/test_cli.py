@@ -302,8 +302,13 @@ class _Chat:
 
         env = dict(os.environ, COLUMNS="200", NO_COLOR="1", TERM="dumb", PYTHONUNBUFFERED="1")
         env.pop("EDGEKV_VERBOSE", None)
+        import signal
+
+        # A test run started in the background by a shell without job control inherits SIGINT
+        # ignored, and Python then never turns it into KeyboardInterrupt: restore the default.
         self.p = subprocess.Popen([*CMD, "chat", *map(str, args)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True, env=env)
+                                  stderr=subprocess.PIPE, text=True, env=env,
+                                  preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         self.out: list[str] = []
         self.err: list[str] = []
         for stream, sink in ((self.p.stdout, self.out), (self.p.stderr, self.err)):
