@@ -284,10 +284,10 @@ class Store:
         if sess is not None:
             self._spare.append(sess)
         if self.cfg.persist:
-            journal.remove(self.cfg.state_dir, conv.id)
-        if conv.file is not None:
+            journal.remove(self.cfg.state_dir, conv.id)  # its record, then its cache file
+        elif conv.file is not None:
             conv.file.unlink(missing_ok=True)
-            conv.file, conv.file_current = None, False
+        conv.file, conv.file_current = None, False
 
     def _forget_oldest(self) -> None:
         """Past ``max_conversations``, the least recently used idle ones are forgotten (a later

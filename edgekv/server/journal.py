@@ -24,15 +24,12 @@ exit; a directory with one is converted to records at start.
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import EdgekvError
 from ..kvcache.files import file_digest, write_atomic
 from ..session import Stats
-
-log = logging.getLogger("edgekv.server")
 
 VERSION = 1
 OLD_INDEX = "conversations.json"  # what servers before the journal wrote at a clean exit
@@ -87,7 +84,7 @@ def _shape_error(state_dir: Path, theirs: object, ours: dict[str, object]) -> Ed
     return EdgekvError(f"{state_dir} holds conversations of another server ({diff}); use another --state-dir")
 
 
-def _entry(data: dict, state_dir: Path) -> Entry:
+def _entry(data: dict) -> Entry:
     """An entry from a record's (or the old index's) fields; KeyError, TypeError or ValueError
     for one that is not what edgekv writes."""
     conv_id = str(data["id"])
@@ -123,7 +120,7 @@ def load(state_dir: Path, shape: dict[str, object]) -> list[Entry]:
                 raise ValueError("not a record this edgekv writes")
             if data.get("shape") != shape:
                 raise _shape_error(state_dir, data.get("shape"), shape)
-            entry = _entry(data, state_dir)
+            entry = _entry(data)
             if entry.id != path.stem:
                 raise ValueError(f"it holds conversation {entry.id}")
         except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as err:
@@ -157,7 +154,7 @@ def _convert_old_index(state_dir: Path, shape: dict[str, object]) -> None:
             raise _shape_error(state_dir, theirs, shape)
         entries = []
         for e in index["conversations"]:
-            entry = _entry(e, state_dir)
+            entry = _entry(e)
             cache = cache_path(state_dir, entry.id)
             entry.cache = cache if cache.name == Path(e["file"]).name and cache.is_file() else None
             entries.append(entry)
