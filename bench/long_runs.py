@@ -33,6 +33,25 @@ QUESTIONS = ["What did the keeper see from the lighthouse today?", "Which ship c
              "Name one thing the crew said.", "How long is the night watch?"]
 
 
+class Transcript:
+    """What a run wrote: a SHA-256 of all of it and its first ``keep`` pieces (the repeat
+    check's). Nothing more is kept, so the run's own memory does not grow with its text:
+    the heap then measures what edgekv keeps (a chat's messages, by design)."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep, self.head, self.n = keep, [], 0
+        self._sha = hashlib.sha256()
+
+    def add(self, piece: str) -> None:
+        self._sha.update((b"\x1e" if self.n else b"") + piece.encode())
+        self.n += 1
+        if len(self.head) < self.keep:
+            self.head.append(piece)
+
+    def sha256(self) -> str:
+        return self._sha.hexdigest()
+
+
 def protected_kept(session, method) -> bool:
     """Every (layer, KV head) still holds the sinks and the recent window."""
     snap = session.engine.snapshot()
@@ -42,18 +61,17 @@ def protected_kept(session, method) -> bool:
     return all(bool((tp == p).any(axis=-1).all()) for p in want)
 
 
-def chat_run(model, a, turns: int, drift=None) -> tuple[list[str], list[str], int]:
-    """The scripted chat: (replies, problems, compressions)."""
+def chat_run(model, a, turns: int, out: Transcript, drift=None) -> tuple[list[str], int]:
+    """The scripted chat, its replies into ``out``: (problems, compressions)."""
     from edgekv.llama import SamplerConfig
     from edgekv.session import Chat, Session
 
     problems: list[str] = []
-    replies: list[str] = []
     with Session(model, method=a.method, budget=a.budget, n_ctx=a.n_ctx, n_threads=a.threads) as s:
         chat = Chat(s, system="You are the lighthouse keeper's assistant. Answer briefly.")
         for t in range(turns):
             q = f"{QUESTIONS[t % len(QUESTIONS)]} (turn {t + 1})"
-            replies.append("".join(chat.send(q, max_tokens=a.max_tokens, sampler=SamplerConfig(temperature=0))))
+            out.add("".join(chat.send(q, max_tokens=a.max_tokens, sampler=SamplerConfig(temperature=0))))
             cells = s.engine.n_cells
             if cells > a.n_ctx:
                 problems.append(f"turn {t + 1}: {cells} cells in a context of {a.n_ctx}")
@@ -65,16 +83,16 @@ def chat_run(model, a, turns: int, drift=None) -> tuple[list[str], list[str], in
                 if (t + 1) % 50 == 0:
                     print(f"turn {t + 1}/{turns}: {cells} cells, {s.stats.compressions} compressions, "
                           f"RSS {drift.samples[-1][1]:.0f} MiB", file=sys.stderr, flush=True)
-        return replies, problems, s.stats.compressions
+        return problems, s.stats.compressions
 
 
-def generate_run(model, a, tokens: int, drift=None) -> tuple[list[str], list[str], int]:
-    """One long generation: (the text in pieces of --sample-every tokens, problems, compressions)."""
+def generate_run(model, a, tokens: int, out: Transcript, drift=None) -> tuple[list[str], int]:
+    """One long generation, its text into ``out`` in pieces of --sample-every tokens:
+    (problems, compressions)."""
     from edgekv.llama import SamplerConfig
     from edgekv.session import Session
 
     problems: list[str] = []
-    pieces: list[str] = []
     with Session(model, method=a.method, budget=a.budget, n_ctx=a.n_ctx, n_threads=a.threads) as s:
         s.feed_text(s.model.apply_chat_template(
             [{"role": "user", "content": "Write a very long story about a lighthouse keeper and the ships "
@@ -88,7 +106,7 @@ def generate_run(model, a, tokens: int, drift=None) -> tuple[list[str], list[str
             if cells > a.n_ctx:
                 problems.append(f"token {n}: {cells} cells in a context of {a.n_ctx}")
             if n % a.sample_every == 0:
-                pieces.append(b"".join(buf).decode(errors="replace"))
+                out.add(b"".join(buf).decode(errors="replace"))
                 buf.clear()
                 if drift is not None:
                     drift.add(n, cells)
@@ -97,10 +115,10 @@ def generate_run(model, a, tokens: int, drift=None) -> tuple[list[str], list[str
             if n % 500 == 0:
                 print(f"token {n}/{tokens}: {cells} cells, {s.stats.compressions} compressions",
                       file=sys.stderr, flush=True)
-        pieces.append(b"".join(buf).decode(errors="replace"))
+        out.add(b"".join(buf).decode(errors="replace"))
         if n < tokens:
             problems.append(f"the generation ended after {n} of {tokens} tokens")
-        return pieces, problems, s.stats.compressions
+        return problems, s.stats.compressions
 
 
 def main() -> int:
@@ -132,15 +150,17 @@ def main() -> int:
     if a.mode == "generate":
         a.sample_every = max(a.sample_every, 25)
     drift = Drift(unit="turn" if a.mode == "chat" else "token", min_steps=200 if a.mode == "chat" else 2000)
+    k = min(a.repeat, steps)
+    n = k if a.mode == "chat" else k // a.sample_every  # pieces the repeat compares
+    out = Transcript(keep=n)
     t0 = time.perf_counter()
-    out, problems, compressions = run(model, a, steps, drift)
+    problems, compressions = run(model, a, steps, out, drift)
     wall = time.perf_counter() - t0
     repeat = None
     if a.repeat:
-        k = min(a.repeat, steps)
-        again, _, _ = run(model, a, k)
-        n = k if a.mode == "chat" else k // a.sample_every
-        repeat = {"steps": k, "same": again[:n] == out[:n]}
+        again = Transcript(keep=n)
+        run(model, a, k, again)
+        repeat = {"steps": k, "same": again.head == out.head}
         if not repeat["same"]:
             problems.append(f"greedy did not repeat over the first {k} {drift.unit}s")
     verdict = drift.verdict()
@@ -149,7 +169,7 @@ def main() -> int:
     name = f"{a.mode}_{a.method}"
     result = {"machine": machine(), "command": " ".join(["bench/long_runs.py", *sys.argv[1:]]),
               "config": {k: v for k, v in vars(a).items() if k != "json"}, "wall_s": round(wall, 1),
-              "steps": steps, "compressions": compressions, "text_sha256": hashlib.sha256("\x1e".join(out).encode()).hexdigest(),
+              "steps": steps, "compressions": compressions, "text_sha256": out.sha256(),
               "repeat": repeat, "drift": verdict, "series": drift.series(), "problems": problems,
               "ok": not problems}
     if a.json:

@@ -312,26 +312,7 @@ class Model(_Owned):
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_assistant: bool = True) -> str:
         """Render messages with the GGUF's own chat template (llama.cpp's built-in engine)."""
-        L = lib()
-        tmpl = L.llama_model_chat_template(self.ptr, None)
-        if not tmpl:
-            # No template in the GGUF: a plain transcript is the honest fallback.
-            out = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-            return out + ("assistant:" if add_assistant else "")
-        keep = [(m["role"].encode(), m["content"].encode()) for m in messages]
-        arr = (L.llama_chat_message * len(keep))()
-        for i, (r, c) in enumerate(keep):
-            arr[i].role = r
-            arr[i].content = c
-        cap = sum(len(c) for _, c in keep) * 2 + 1024
-        buf = ctypes.create_string_buffer(cap)
-        n = L.llama_chat_apply_template(tmpl, arr, len(keep), add_assistant, buf, cap)
-        if n > cap:
-            buf = ctypes.create_string_buffer(n)
-            n = L.llama_chat_apply_template(tmpl, arr, len(keep), add_assistant, buf, n)
-        if n < 0:
-            raise ModelError("the model's chat template is not supported by llama.cpp's template engine")
-        return buf.raw[:n].decode("utf-8", "replace")
+        return render_chat(lib().llama_model_chat_template(self.ptr, None), messages, add_assistant)
 
     def close(self) -> None:
         if getattr(self, "ptr", None) and getattr(self, "_owner", None) is None:
@@ -342,6 +323,39 @@ class Model(_Owned):
                 release(self.rpc, self)
         self.ptr = None
         self._owner = None
+
+
+def render_chat(tmpl: bytes | None, messages: list[dict[str, str]], add_assistant: bool = True) -> str:
+    """Render messages with a chat template: a GGUF's template text or the name of one
+    of llama.cpp's built-in formats (``chat_template_names``). No template: a plain
+    transcript, the honest fallback."""
+    if not tmpl:
+        out = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return out + ("assistant:" if add_assistant else "")
+    L = lib()
+    keep = [(m["role"].encode(), m["content"].encode()) for m in messages]
+    arr = (L.llama_chat_message * len(keep))()
+    for i, (r, c) in enumerate(keep):
+        arr[i].role = r
+        arr[i].content = c
+    cap = sum(len(c) for _, c in keep) * 2 + 1024
+    buf = ctypes.create_string_buffer(cap)
+    n = L.llama_chat_apply_template(tmpl, arr, len(keep), add_assistant, buf, cap)
+    if n > cap:
+        buf = ctypes.create_string_buffer(n)
+        n = L.llama_chat_apply_template(tmpl, arr, len(keep), add_assistant, buf, n)
+    if n < 0:
+        raise ModelError("the model's chat template is not supported by llama.cpp's template engine")
+    return buf.raw[:n].decode("utf-8", "replace")
+
+
+def chat_template_names() -> list[str]:
+    """The chat formats llama.cpp's template engine knows by name."""
+    L = lib()
+    n = L.llama_chat_builtin_templates(None, 0)
+    out = (ctypes.c_char_p * n)()
+    L.llama_chat_builtin_templates(out, n)
+    return [x.decode() for x in out]
 
 
 def _rotation_from_log(log: str) -> tuple[int, int]:

@@ -489,7 +489,9 @@ class Chat:
     """Multi-turn chat on a Session, rendered with the model's GGUF chat template.
 
     Each turn feeds only the text the template adds since the last turn, so
-    earlier turns are never re-decoded; they live (compressed) in the cache.
+    earlier turns are never re-decoded; they live (compressed) in the cache. That text
+    is rendered over the last exchange alone (and the system message), so a turn costs
+    the same time and transient memory at turn 1000 as at turn 2.
     """
 
     def __init__(self, session: Session, system: str | None = None) -> None:
@@ -497,7 +499,7 @@ class Chat:
         self.messages: list[dict[str, str]] = []
         if system:
             self.messages.append({"role": "system", "content": system})
-        self._rendered = ""
+        self._held = False  # the cache holds every message so far, the last reply as decoded
         self._rebuild = False  # an interrupt left the cache out of step with the messages
 
     def send(self, text: str, *, max_tokens: int = 256, sampler: SamplerConfig | None = None,
@@ -508,13 +510,12 @@ class Chat:
         fed is dropped (prefill) or the reply so far kept (a step), and the next turn rebuilds
         the cache from the messages: nothing said is lost, nothing half-fed is kept."""
         self.messages.append({"role": "user", "content": text})
-        prompt = self.session.model.apply_chat_template(self.messages, add_assistant=True)
         if self._rebuild:
             self.session.reset()
-            self._rendered, self._rebuild = "", False
-        common = common_prefix(self._rendered, prompt)
+            self._held = self._rebuild = False
+        new_text = self._new_text()
         try:
-            self.session.feed_text(prompt[common:], add_special=self.session.n_past == 0, progress=progress)
+            self.session.feed_text(new_text, add_special=self.session.n_past == 0, progress=progress)
         except KeyboardInterrupt:
             self.messages.pop()
             self._rebuild = True
@@ -528,16 +529,40 @@ class Chat:
             self._rebuild = True
             raise
         finally:
-            answer = "".join(reply)
-            self.messages.append({"role": "assistant", "content": answer})
-            # What the cache now represents: the prompt plus the reply as decoded.
-            self._rendered = prompt + answer
+            self.messages.append({"role": "assistant", "content": "".join(reply)})
+            self._held = True
+
+    def _new_text(self) -> str:
+        return turn_text(self.session.model.apply_chat_template, self.messages, self._held)
 
 
-def common_prefix(a: str, b: str) -> int:
+def turn_text(render: Callable[..., str], messages: list[dict[str, str]], held: bool) -> str:
+    """The text a chat template adds for the newest message: everything rendered when the
+    cache holds nothing of the chat, else what follows the text the cache holds (the
+    messages before, the last reply as decoded). That is rendered over the system message,
+    the last exchange and the new message alone: the text a template writes for a message
+    depends on its neighbours and on the first messages, which both renderings share
+    (``tests/test_session.py`` checks every format llama.cpp knows)."""
+    if not held:
+        return render(messages, add_assistant=True)
+    head = messages[:1] if messages[0]["role"] == "system" else []
+    window = head + messages[max(len(head), len(messages) - 3):]
+    before = render(window[:-2], add_assistant=True) + window[-2]["content"]
+    new = render(window, add_assistant=True)
+    return new[common_prefix(before, new):]
+
+
+def common_prefix(a: str, b: str, block: int = 4096) -> int:
+    """Length of the longest common prefix of two strings. Blocks are compared as slices
+    (in C): a whole rendered transcript is compared in microseconds, not a Python loop."""
     n = min(len(a), len(b))
     i = 0
-    while i < n and a[i] == b[i]:
+    while i < n and a[i : i + block] == b[i : i + block]:
+        i += block
+    if i >= n:
+        return n
+    end = min(i + block, n)
+    while i < end and a[i] == b[i]:
         i += 1
     return i
 

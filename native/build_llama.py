@@ -160,6 +160,8 @@ def cmake_flags(cuda: bool, cpu: str = "native") -> list[str]:
         flags += BLAS_FLAGS
     if shutil.which("ccache"):
         flags += ["-DCMAKE_C_COMPILER_LAUNCHER=ccache", "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache"]
+        if cuda:  # ggml-cuda's template instances take hours on 2 cores: keep each one compiled
+            flags += ["-DCMAKE_CUDA_COMPILER_LAUNCHER=ccache"]
     return flags
 
 

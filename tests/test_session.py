@@ -282,3 +282,38 @@ def test_stats_have_one_serialisation_that_reads_back() -> None:
 
     back = Stats.from_dict(json.loads(json.dumps(d)))
     assert back == s and isinstance(back.events[0], Event)
+
+
+@pytest.mark.parametrize("system", [None, "You are terse."])
+def test_a_turn_rendered_over_its_last_exchange_is_the_whole_transcripts_tail(system) -> None:
+    # Chat renders a new turn over the system message and the last exchange only, so its
+    # cost stays flat over a long chat: for every format llama.cpp knows, that text must be
+    # what rendering the whole transcript adds after the text the cache holds
+    from functools import partial
+
+    from edgekv.llama import chat_template_names, render_chat
+    from edgekv.session import common_prefix, turn_text
+
+    names = chat_template_names()
+    assert len(names) > 40
+    for name in [*names, None]:  # None: no template, the plain transcript
+        render = partial(render_chat, name.encode() if name else None)
+        msgs = [{"role": "system", "content": system}] if system else []
+        for t in range(6):
+            msgs.append({"role": "user", "content": f"Question {t}: what is {t} + {t}?"})
+            if t:
+                before = render(msgs[:-2], add_assistant=True) + msgs[-2]["content"]
+                whole = render(msgs, add_assistant=True)
+                assert turn_text(render, msgs, held=True) == whole[common_prefix(before, whole):], (name, t)
+            else:
+                assert turn_text(render, msgs, held=False) == render(msgs, add_assistant=True)
+            msgs.append({"role": "assistant", "content": f"  {2 * t}, since {t} twice is {2 * t}.\n"})
+
+
+def test_common_prefix_across_blocks() -> None:
+    from edgekv.session import common_prefix
+
+    a = "x" * 10000
+    for i in (0, 1, 4095, 4096, 4097, 9999):
+        assert common_prefix(a, a[:i] + "y" + a[i + 1:]) == i
+    assert common_prefix(a, a) == 10000 and common_prefix(a, a[:5000]) == 5000 and common_prefix("", a) == 0

@@ -48,6 +48,16 @@ def _floats(s: str, opt: str) -> list[float]:
         raise EdgekvError(f"{opt} takes comma-separated numbers, got {s!r}") from None
 
 
+def _layer_counts(s: str) -> list[int]:
+    try:
+        out = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise EdgekvError(f"--n-gpu-layers takes comma-separated layer counts (e.g. 0,-1), got {s!r}") from None
+    if not out:
+        raise EdgekvError("--n-gpu-layers needs at least one layer count")
+    return out
+
+
 def _ints(s: str, opt: str) -> list[int]:
     out = []
     for x in s.split(","):
@@ -123,6 +133,9 @@ def speed(
     stream: Annotated[bool, typer.Option("--stream/--no-stream", help="Also ingest the text through a bounded cache (compressing as it fills).")] = True,
     out: OutOpt = DEFAULT_OUT,
     threads: ThreadsOpt = None,
+    n_gpu_layers: Annotated[str, typer.Option(
+        "--n-gpu-layers", "-ngl", help="Layers offloaded to the GPU, their KV cache with them (-1: all). "
+        "Comma-separated: each is measured in turn at every length, e.g. 0,-1 for the CPU against the GPU.")] = "0",
     report: Annotated[bool, typer.Option("--report/--no-report", help="Rewrite report.md and plots at the end.")] = True,
 ) -> None:
     """Prefill and decode tok/s, compression time and overhead, KV bytes and peak RSS."""
@@ -136,7 +149,7 @@ def speed(
             ms.insert(0, "full")
         grid = SpeedGrid(models=_models(model), methods=ms, ratio=ratio, lengths=_ints(lengths, "--lengths"),
                          cache_types=_list(cache_types), flash_attn=_list(flash_attn), decode_tokens=decode_tokens, stream=stream,
-                         threads=threads, out=out)
+                         threads=threads, n_gpu_layers=_layer_counts(n_gpu_layers), out=out)
         from .text import find_data_dir
 
         find_data_dir()

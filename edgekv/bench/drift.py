@@ -1,13 +1,16 @@
 """Whether a long run's memory stays flat: samples against steps (turns or tokens), the
 fitted slope over the run after its warm-up, a verdict, and a plot.
 
-Flat means: over the last 90 % of the run, the least-squares slope of the resident set
-(RSS, less tracemalloc's own tables) and of the Python heap (the bytes ``tracemalloc``
-traces) is below ``limit_pct``
-of the warm RSS (at 10 % of the run) per 1000 steps. What a run keeps by design counts
-(a chat's transcript grows by its text), so a leak of a cell's worth per turn shows. A
-run too short to judge (fewer than ``min_steps`` steps or 8 samples) says so instead of
-passing, and one whose heap was not traced fails.
+Flat means: after the warm-up, the least-squares slope of the resident set (RSS, less
+tracemalloc's own tables) and of the Python heap (the bytes ``tracemalloc`` traces) is
+below ``limit_pct`` of the warm RSS per 1000 steps. The warm-up is the first 10 % of
+the run, or longer while the cache is still filling: the memory a run touches grows with
+its cells until they reach their bound (llama.cpp's compute buffer is reserved for a full
+cache, its pages touched as attention spans more cells), so the warm-up lasts until the
+cells first reach 95 % of their most. What a run keeps by design counts (a chat's
+transcript grows by its text), so a leak of a cell's worth per turn shows. A run too
+short to judge (fewer than ``min_steps`` steps, 8 samples, or a cache that filled only
+in the second half) says so instead of passing, and one whose heap was not traced fails.
 """
 
 from __future__ import annotations
@@ -50,10 +53,18 @@ class Drift:
         self.samples.append((step, process_rss_mib() if rss_mib is None else rss_mib,
                              float("nan") if heap is None else heap, cells))
 
+    def warm_step(self) -> int:
+        """The step the warm-up ends at: 10 % of the run, or when the cells first reach
+        95 % of their most, whichever is later."""
+        steps = max(s[0] for s in self.samples)
+        top = max(s[3] for s in self.samples)
+        filled = next(s[0] for s in self.samples if s[3] >= 0.95 * top)
+        return max(int(np.ceil(0.1 * steps)), filled)
+
     def _slope(self, col: int) -> tuple[float, float]:
-        """(slope per 1000 steps, warm value) over the last 90 % of the run."""
+        """(slope per 1000 steps, warm value) over the run after its warm-up."""
         a = np.array([(s[0], s[col]) for s in self.samples], dtype=np.float64)
-        tail = a[a[:, 0] >= 0.1 * a[:, 0].max()]
+        tail = a[a[:, 0] >= self.warm_step()]
         slope = np.polyfit(tail[:, 0], tail[:, 1], 1)[0] * 1000 if len(tail) >= 2 else float("nan")
         return float(slope), float(tail[0, 1])
 
@@ -68,9 +79,14 @@ class Drift:
             out[name] = {"warm": round(warm, 2), "end": round(float(self.samples[-1][col]), 2) if self.samples else None,
                          "slope_per_1000": round(slope, 3),
                          "slope_pct_of_warm_rss_per_1000": round(100 * slope / warm_rss, 3)}
+        out["warm_step"] = self.warm_step() if self.samples else 0
         if steps < self.min_steps or len(self.samples) < 8:
             out["flat"] = None  # too short to judge
             out["why"] = f"{steps} {self.unit}s, {len(self.samples)} samples: too short to judge flatness"
+        elif out["warm_step"] > steps / 2:
+            out["flat"] = None
+            out["why"] = (f"the cells filled only at {self.unit} {out['warm_step']} of {steps}: "
+                          f"too short to judge flatness after the warm-up")
         elif np.isnan(out["heap_mib"]["slope_per_1000"]):
             out["flat"], out["why"] = False, "the Python heap was not traced (tracemalloc)"
         else:
@@ -96,6 +112,7 @@ class Drift:
         fig, axes = plt.subplots(3, 1, figsize=(7, 6.5), sharex=True)
         for ax, col, label in zip(axes, (3, 1, 2), ("cells", "RSS (MiB)", "Python heap (MiB, traced)"), strict=True):
             ax.plot(a[:, 0], a[:, col], lw=1)
+            ax.axvline(self.warm_step(), color="grey", ls=":", lw=1)  # the slope is fitted right of it
             ax.set_ylabel(label)
             ax.grid(alpha=0.3)
         axes[-1].set_xlabel(self.unit + "s")

@@ -46,6 +46,8 @@ class SpeedGrid:
     decode_tokens: int = 64
     stream: bool = True
     threads: int | None = None
+    # layers offloaded to a GPU, each value measured in turn per length (0: the CPU alone; -1: all)
+    n_gpu_layers: list[int] = field(default_factory=lambda: [0])
     out: Path = Path("bench/results")
 
 
@@ -130,11 +132,12 @@ def _replace(path: Path, rows: list[dict], key: Callable[[dict], tuple]) -> None
 
 def _key(r: dict) -> tuple:
     # Rows written before flash attention was recorded all ran with it on.
-    return (r["model"], r["cache_type"], r.get("flash_attn", "on"), r["length"], r["mode"], r["method"], r["ratio"])
+    return (r["model"], r["cache_type"], r.get("flash_attn", "on"), r["length"], r["mode"], r["method"], r["ratio"],
+            r.get("n_gpu_layers", 0))
 
 
 def run_speed(grid: SpeedGrid, log: Callable[[str], None] | None = None) -> Path:
-    from ..llama import UNQUANTISED_V, Model, check_flash_attn, resolve_flash_attn
+    from ..llama import Model, check_flash_attn
     from ..methods import METHODS
     from ..models import resolve_model
     from ..session import Session
@@ -152,27 +155,38 @@ def run_speed(grid: SpeedGrid, log: Callable[[str], None] | None = None) -> Path
     path = grid.out / SPEED_FILE
     for model_arg in grid.models:
         mpath = resolve_model(model_arg)
-        model = Model(mpath)
         label = model_label(model_arg, mpath)
+        # one model per offload setting, all loaded at once: each length is measured on every
+        # device in turn, so the devices' numbers come from the same stretch of the run
+        models = {ngl: Model(mpath, n_gpu_layers=ngl) for ngl in grid.n_gpu_layers}
         try:
             for ct in grid.cache_types:
-                fas = []
-                for fa in grid.flash_attn:
-                    r = resolve_flash_attn(fa, ct, model.n_gpu_layers)
-                    if r == "off" and ct not in UNQUANTISED_V:
-                        log(f"skip {label} {ct} with flash attention off: a quantised V cache needs it")
-                    elif r not in fas:
-                        fas.append(r)
-                for fa in fas:
-                    for length in grid.lengths:
+                for length in grid.lengths:
+                    for model in models.values():
                         if model.arch.n_ctx_train and length > model.arch.n_ctx_train:
                             log(f"skip {label} {length}: above the trained context {model.arch.n_ctx_train}")
                             continue
-                        rows = _one(model, label, ct, fa, length, grid, Session, METHODS, log)
-                        _replace(path, rows, _key)
+                        for fa in _flash_settings(grid, ct, model, label, log):
+                            rows = _one(model, label, ct, fa, length, grid, Session, METHODS, log)
+                            _replace(path, rows, _key)
         finally:
-            model.close()
+            for model in models.values():
+                model.close()
     return path
+
+
+def _flash_settings(grid: SpeedGrid, ct: str, model, label: str, log: Callable[[str], None]) -> list[str]:
+    """The grid's flash-attention settings as this model resolves them, each once."""
+    from ..llama import UNQUANTISED_V, resolve_flash_attn
+
+    fas: list[str] = []
+    for fa in grid.flash_attn:
+        r = resolve_flash_attn(fa, ct, model.n_gpu_layers)
+        if r == "off" and ct not in UNQUANTISED_V:
+            log(f"skip {label} {ct} with flash attention off: a quantised V cache needs it")
+        elif r not in fas:
+            fas.append(r)
+    return fas
 
 
 def _fresh(model, toks: list[int], grid: SpeedGrid, ct: str, fa: str, Session, observe: int,
@@ -186,10 +200,12 @@ def _fresh(model, toks: list[int], grid: SpeedGrid, ct: str, fa: str, Session, o
 
 
 def _one(model, label, ct, fa, length, grid: SpeedGrid, Session, METHODS, log) -> list[dict]:
+    from ..llama import buffer_sizes
     from . import protocol
 
     toks = long_text_tokens(model, length)
-    base = {"model": label, "cache_type": ct, "flash_attn": fa, "length": length, "threads": grid.threads}
+    base = {"model": label, "cache_type": ct, "flash_attn": fa, "length": length, "threads": grid.threads,
+            "n_gpu_layers": model.n_gpu_layers}
     if any(METHODS[m].needs & {"queries"} for m in grid.methods):
         base["observe"] = True  # the one-shot prefill recorded the observation window (not H2O's tally)
     rows: list[dict] = []
@@ -204,12 +220,15 @@ def _one(model, label, ct, fa, length, grid: SpeedGrid, Session, METHODS, log) -
         pre = protocol.prefill(sess, toks)
         prefill_s, n_prompt = pre.seconds, pre.n_cells
         per_cell = sess.stats.kv_bytes_per_cell
+        # where the cache really is: a build without the GPU backend keeps it in host memory
+        base["kv_on"] = sorted(buffer_sizes(sess.ctx.creation_log, "KV")) or ["CPU"]
         dec = decode_rate(sess, grid.decode_tokens)
         rows.append({**base, "mode": "oneshot", "method": "full", "ratio": 0.0, "prefill_s": round(prefill_s, 3),
                      "prefill_tok_s": round(length / prefill_s, 1), "decode_tok_s": round(dec, 2),
                      "cells": n_prompt, "kv_bytes": n_prompt * per_cell, "kv_bytes_allocated": n_ctx * per_cell,
                      "peak_rss_mib": round(proc_status("VmHWM"), 1)})
-        log(f"{label} {ct} fa={fa} {length}: prefill {length / prefill_s:.0f} tok/s, full-cache decode {dec:.1f} tok/s, "
+        where = f" ngl={model.n_gpu_layers} (KV on {'+'.join(base['kv_on'])})" if model.n_gpu_layers else ""
+        log(f"{label}{where} {ct} fa={fa} {length}: prefill {length / prefill_s:.0f} tok/s, full-cache decode {dec:.1f} tok/s, "
             f"KV {n_prompt * per_cell / 2**20:.1f} MiB")
         fresh = None  # (session, its saved state, cells): a context that only ever held that many cells
         for m in grid.methods:
