@@ -1,0 +1,128 @@
+#!/usr/bin/env python3
+"""What a user waits for when a turn fills the cache: the time to the first token of a
+chat reply whose turn triggers a compression, against the same turn with room to spare.
+
+    .venv/bin/edgekv bench run stall --length 8192 --cache-types f16,q8_0 --rounds 3
+
+One Session of ``--length + 64`` cells per cache type is prefilled twice with the same
+real text (recording the observation window and, for Expected Attention, the query
+statistics, as a chat does): once to ``--length`` cells, where the turn fits, and once
+to 14 cells short of full, where it does not. Then, per round and per method in turn,
+each state is restored and one user turn (the chat template's text for a short
+question, about 25 tokens) is fed and one token sampled, greedy. The method compresses
+one-shot (``scheduled=False``: LagKV's incremental schedule is not asked) under
+``--ratio``, so a full cache of ``--length`` cells drops to ``(1 - ratio)`` of them: 8k
+to 1k by default. The stall is the difference of the two times (medians over the
+rounds); the compression's own time, from the session's counters, is beside it.
+
+Methods that tally attention from the sequence's start (H2O) are left out: their
+tally would slow every decode of the shared session (``attention_cost`` measures H2O).
+Writes ``bench/results/stall.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--methods", default="all", help="comma-separated, or all")
+    ap.add_argument("--length", type=int, default=8192, help="cells when the turn arrives")
+    ap.add_argument("--ratio", type=float, default=0.875, help="share of the cells the compression removes")
+    ap.add_argument("--cache-types", default="f16")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None)
+    a = ap.parse_args()
+    if a.length < 256 or not 0 < a.ratio < 1 or a.rounds < 1:
+        ap.error("need --length >= 256, 0 < --ratio < 1 and --rounds >= 1")
+
+    from edgekv.bench.results import machine, write_json
+    from edgekv.bench.speed import long_text_tokens
+    from edgekv.errors import EdgekvError
+    from edgekv.llama import Model, SamplerConfig
+    from edgekv.methods import METHODS
+    from edgekv.models import resolve_model
+    from edgekv.session import Session
+
+    names = [m for m in (METHODS if a.methods == "all" else a.methods.split(","))]
+    unknown = [m for m in names if m not in METHODS]
+    if unknown:
+        ap.error(f"unknown methods {unknown}; available: {', '.join(METHODS)}")
+    names = [m for m in names if METHODS[m].compresses and not METHODS[m].tallies]
+    model = Model(resolve_model(a.model))
+    question = model.apply_chat_template([{"role": "user", "content": "What did the letter say about the ball "
+                                           "at Netherfield, and who wrote it?"}], add_assistant=True)
+    spare = 64
+    toks = long_text_tokens(model, a.length + spare - 14)
+    greedy = SamplerConfig(temperature=0)
+    observe = max(METHODS[m]().queries_needed for m in names)
+    moments = any(METHODS[m].query_statistics for m in names)
+    rows = []
+    for ct in a.cache_types.split(","):
+        with Session(model, method="full", n_ctx=a.length + spare, chunk=512, cache_type_k=ct, cache_type_v=ct,
+                     n_threads=a.threads, observe=observe, moments=moments) as s:
+            states = {}
+            for kind, n in (("room", a.length), ("full", len(toks))):
+                s.reset()
+                t0 = time.perf_counter()
+                s.feed(toks[:n])
+                states[kind] = s.save()
+                print(f"{ct}: prefilled {n} cells ({kind}) in {time.perf_counter() - t0:.1f} s", flush=True)
+            n_turn = len(model.tokenize(question, add_special=False, parse_special=True))
+            assert a.length + n_turn + 1 <= a.length + spare < len(toks) + n_turn  # fits, then does not
+            times: dict[str, dict[str, list[float]]] = {m: {"room": [], "full": [], "compress": []} for m in names}
+            refused: dict[str, str] = {}
+            cells_after: dict[str, int] = {}
+            for r in range(a.rounds):
+                for m in [m for m in (names if r % 2 == 0 else reversed(names)) if m not in refused]:
+                    for kind in ("room", "full") if r % 2 == 0 else ("full", "room"):
+                        s.restore(states[kind])
+                        try:
+                            s.use(m, ratio=a.ratio, scheduled=False)
+                        except EdgekvError as e:  # a method this cache or engine cannot run
+                            refused[m] = str(e)
+                            print(f"{ct} {m}: refused: {e}", flush=True)
+                            break
+                        before, spent = s.stats.compressions, s.stats.compress_seconds
+                        t0 = time.perf_counter()
+                        s.feed_text(question, add_special=False)
+                        s.step(greedy)
+                        times[m][kind].append(time.perf_counter() - t0)
+                        compressed = s.stats.compressions - before
+                        if kind == "full":
+                            times[m]["compress"].append(s.stats.compress_seconds - spent)
+                            cells_after[m] = s.engine.n_cells
+                        if compressed != (kind == "full"):
+                            raise SystemExit(f"{m}: the {kind} turn compressed {compressed} times")
+                    if m in refused:
+                        continue
+                    print(f"round {r + 1}/{a.rounds} {ct} {m}: first token {times[m]['room'][-1]:.2f} s with room, "
+                          f"{times[m]['full'][-1]:.2f} s when full (compression {times[m]['compress'][-1]:.2f} s)",
+                          flush=True)
+            for m, why in refused.items():
+                rows.append({"method": m, "cache_type": ct, "length": a.length, "refused": why})
+            for m in [m for m in names if m not in refused]:
+                room, full = statistics.median(times[m]["room"]), statistics.median(times[m]["full"])
+                rows.append({"method": m, "cache_type": ct, "length": a.length, "ratio": a.ratio,
+                             "cells_after": cells_after[m], "turn_tokens": n_turn,
+                             "first_token_s_room": round(room, 3), "first_token_s_full": round(full, 3),
+                             "stall_s": round(full - room, 3),
+                             "compress_s": round(statistics.median(times[m]["compress"]), 3), "raw": times[m]})
+    model.close()
+    out = write_json("stall", {"machine": machine(), "args": vars(a), "rows": rows})
+    print(f"{'method':18s} {'cache':6s} {'room s':>7s} {'full s':>7s} {'stall s':>8s} {'compress s':>10s}")
+    for row in rows:
+        if "refused" in row:
+            print(f"{row['method']:18s} {row['cache_type']:6s} refused: {row['refused']}")
+            continue
+        print(f"{row['method']:18s} {row['cache_type']:6s} {row['first_token_s_room']:7.2f} "
+              f"{row['first_token_s_full']:7.2f} {row['stall_s']:8.2f} {row['compress_s']:10.2f}")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
