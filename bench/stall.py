@@ -48,7 +48,7 @@ def main() -> None:
     from edgekv.models import resolve_model
     from edgekv.session import Session
 
-    names = [m for m in (METHODS if a.methods == "all" else a.methods.split(","))]
+    names = list(METHODS) if a.methods == "all" else a.methods.split(",")
     unknown = [m for m in names if m not in METHODS]
     if unknown:
         ap.error(f"unknown methods {unknown}; available: {', '.join(METHODS)}")
