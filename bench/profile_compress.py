@@ -11,8 +11,9 @@ ingest and the profile's top entries by cumulative time. ``--oneshot`` profiles 
 compression of a full cache of ``--tokens`` cells to ``--budget`` instead, as
 ``bench/stall.py`` times it (the prefill records the queries the method reads):
 
-    .venv/bin/edgekv bench run profile_compress --method snapkv --tokens 4096 --budget 1024 --oneshot The profiler adds its
-own overhead to Python-heavy code, so read the shares, not the absolute times.
+    .venv/bin/edgekv bench run profile_compress --method snapkv --tokens 4096 --budget 1024 --oneshot
+
+The profiler adds its own overhead to Python-heavy code, so read the shares, not the absolute times.
 """
 
 from __future__ import annotations

@@ -40,6 +40,8 @@ def test_a_long_generation(tmp_path) -> None:
 
 def test_a_server_soak_with_walkaways_and_bad_requests(tmp_path) -> None:
     d = _run("server_load.py", tmp_path / "soak.json", "--conversations", "6", "--turns", "4", "--max-tokens",
-             "12", "--max-live", "2", "--disconnect", "0.3", "--bad", "0.5", "--seed", "3")
+             "12", "--max-live", "2", "--clients", "3", "--max-conversations", "4", "--disconnect", "0.3", "--bad",
+             "0.5", "--seed", "3")
+    assert d["config"]["clients"] == 3 and d["server"]["conversations"] <= 4  # the oldest idle ones forgotten
     assert d["ok"] and d["walked_away"] >= 1 and d["malformed_requests"] >= 3 and not d["errors"], d["failed_checks"]
     assert d["server"]["busy"] == 0 and d["server"]["active_requests"] == 0 and d["server"]["live"] <= 2

@@ -133,6 +133,8 @@ class Store:
         self.saves = 0
         self.resumes = 0
         self.created = 0  # conversations made by this server (a refused request makes none)
+        self.abandoned = 0  # dropped because their turn did not finish (a client walked away)
+        self.forgotten = 0  # dropped past max_conversations
         cfg.state_dir.mkdir(parents=True, exist_ok=True)
         if cfg.persist:
             self._load()
@@ -289,6 +291,12 @@ class Store:
             conv.file.unlink(missing_ok=True)
         conv.file, conv.file_current = None, False
 
+    def abandon(self, conv: Conversation) -> None:
+        """A turn that did not finish: the cache may hold half of it, so the conversation goes
+        (the client's next request starts it over from its messages)."""
+        self.drop(conv)
+        self.abandoned += 1
+
     def _forget_oldest(self) -> None:
         """Past ``max_conversations``, the least recently used idle ones are forgotten (a later
         request for one starts over from its messages: slower, nothing wrong)."""
@@ -297,6 +305,7 @@ class Store:
             if not idle:
                 return
             self.drop(idle[0])
+            self.forgotten += 1
 
     def close(self) -> None:
         """Free every context; with ``persist``, save every conversation's cache so the next
@@ -378,6 +387,7 @@ class Store:
                 "kv_bytes": sum(int(c["kv_bytes"]) for c in live),
                 "kv_bytes_allocated": sum(int(c["kv_bytes_allocated"]) for c in live),
                 "saves": self.saves, "resumes": self.resumes,
+                "created": self.created, "abandoned": self.abandoned, "forgotten": self.forgotten,
             },
         }
 

@@ -131,7 +131,7 @@ def run_turn(store: Store, turn: Turn) -> Iterator[TurnEvent]:
             conv.busy = False
             conv.prefill = None
             if touched or not continued:
-                store.drop(conv)
+                store.abandon(conv)
 
 
 def _check_prompt(store: Store, sess: Session, tokens: list[int]) -> None:
