@@ -398,8 +398,16 @@ def test_merge_with_log_count_bias_equals_attention_over_unmerged_runs(smollm2, 
     ctx.close()
 
 
+SCORE_PATHS = {"host": "0", "graph": "1"}  # EDGEKV_GRAPH_OPS
+
+
+@pytest.mark.parametrize("path", list(SCORE_PATHS))
 @pytest.mark.parametrize(("ck", "cv", "fa"), [("f16", "f16", "off"), ("q8_0", "q8_0", "on")], ids=["f16", "q8_0"])
-def test_device_scores_equal_host_reference(smollm2, toks, ck, cv, fa) -> None:
+def test_device_scores_equal_host_reference(smollm2, toks, ck, cv, fa, path, monkeypatch) -> None:
+    # window scores on each path: the host kernel in the cache's memory (x86-64 with AVX2;
+    # elsewhere the graph again) and the ggml graph a GPU runs, against float64 softmaxes,
+    # with a bias and masked cells
+    monkeypatch.setenv("EDGEKV_GRAPH_OPS", SCORE_PATHS[path])
     ctx = _ctx(smollm2, ck, cv, fa)
     eng = NativeEngine(ctx)
     arch = smollm2.arch
@@ -428,7 +436,27 @@ def test_device_scores_equal_host_reference(smollm2, toks, ck, cv, fa) -> None:
             p = np.exp(logits - logits.max(axis=1, keepdims=True))
             ref[layer, h] += (p / p.sum(axis=1, keepdims=True)).sum(axis=0)
     np.testing.assert_allclose(got, ref, rtol=2e-3, atol=2e-4)
+    masked = snap.pos > q_pos.max()
+    assert masked.sum() == 3 and np.all(got[..., masked] == 0)  # cells after every query: exactly nothing
     ctx.close()
+
+
+@pytest.mark.parametrize("method", ["snapkv", "protokv"])
+def test_window_scores_keep_the_same_cells_on_every_path(smollm2, toks, method, monkeypatch) -> None:
+    # the host kernel and the graph round differently, yet a compression keeps the same cells
+    kept = {}
+    for path, graph in SCORE_PATHS.items():
+        monkeypatch.setenv("EDGEKV_GRAPH_OPS", graph)
+        ctx = _ctx(smollm2, "f16", "f16", "off")
+        eng = NativeEngine(ctx)
+        eng.observe(16)
+        prefill(eng, toks)
+        n = eng.n_cells
+        get_method(method).compress(eng, n // 2)
+        assert eng.n_cells == n // 2
+        kept[path] = ctx.state_get()  # the cache's bytes: the cells each head kept, in order
+        ctx.close()
+    assert kept["host"] == kept["graph"]
 
 
 def _groups(rng: np.random.Generator, L: int, H: int, n: int, g: int, w: int) -> np.ndarray:

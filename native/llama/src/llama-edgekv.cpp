@@ -1055,6 +1055,190 @@ int32_t llama_edgekv_seq_read(
     return LLAMA_EDGEKV_OK;
 }
 
+#ifdef EDGEKV_X86_DISPATCH
+// Window scores where the cache is in host memory (the CPU backend). Per (layer, KV head),
+// the head's keys are converted to F32 once, into blocks of 16 cells that are channel-major
+// inside a block, so each query meets 16 cells with independent multiply-adds and no
+// horizontal sums, a chunk of cells at a time while its keys stay in cache; a masked softmax
+// per query and the sum over queries follow. The graph path instead materialises an
+// [n, n_q, n_head] score tensor and two permuted copies of it, four passes over memory per
+// layer. The sums run in float, a softmax's denominator in double, as ggml's CPU soft_max;
+// the scores agree with the graph's to float rounding. x86-64 with AVX2 and FMA only
+// (checked at run time); other CPUs run the graph, whose ggml kernels are vectorised for
+// them: a portable loop here, as the compiler vectorised it, took 1.9 s where the graph took
+// 1.0 s (8k cells, 64 queries, SmolLM2).
+constexpr int32_t EDGEKV_SCORE_LANES = 16; // cells per block
+constexpr int32_t EDGEKV_SCORE_QB    = 4;  // queries per pass over a block
+constexpr int32_t EDGEKV_SCORE_CHUNK = 1024; // cells whose keys (256 KiB at 64 channels) every query passes over in turn
+
+struct edgekv_score_head {
+    int32_t n_pad, hd, n_q;
+    const float   * kb;    // [n_pad/16][hd][16] the head's keys, padded with zeros
+    const int32_t * pos;   // [n_pad] cell positions, INT32_MAX in the padding (never seen)
+    const float   * bias;  // [n_pad]: the log-count bias, zeros while it is off
+    float           scale;
+    float         * lg;    // scratch [n_q][n_pad]: logits, then probabilities
+    float         * mx;    // scratch [n_q][8]: running maxima of the logits
+    float         * acc;   // [n_pad] += the query head's attention, summed over queries
+};
+
+// exp(x) for x <= 0, eight at a time: Cody-Waite reduction by ln 2 and a degree-5 polynomial
+// (Cephes' expf coefficients, within 2 ulp); below -87 (and for -inf) exactly 0
+__attribute__((target("avx2,fma")))
+static inline __m256 edgekv_exp_neg(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+// AVX2 and FMA: four queries against a block of 16 cells in eight registers; the cells go
+// in chunks whose keys stay in the L2 cache while every query passes over them
+__attribute__((target("avx2,fma")))
+static void edgekv_score_one_avx2(const edgekv_score_head & a, const float * q, const llama_pos * q_pos) {
+    const int32_t L = EDGEKV_SCORE_LANES, QB = EDGEKV_SCORE_QB, CH = EDGEKV_SCORE_CHUNK;
+    const __m256 ninf = _mm256_set1_ps(-INFINITY), scale = _mm256_set1_ps(a.scale);
+    for (int32_t t = 0; t < a.n_q; ++t) {
+        _mm256_storeu_ps(a.mx + 8*(size_t) t, ninf);
+    }
+    for (int32_t c0 = 0; c0 < a.n_pad; c0 += CH) {
+        const int32_t c1 = std::min(a.n_pad, c0 + CH);
+        for (int32_t t0 = 0; t0 < a.n_q; t0 += QB) {
+            const int32_t nt = std::min(QB, a.n_q - t0);
+            const float * qt[QB];
+            __m256i qp[QB];
+            for (int32_t u = 0; u < QB; ++u) {
+                const int32_t t = t0 + std::min(u, nt - 1); // a short last pass repeats its last query
+                qt[u] = q + (size_t) t*a.hd;
+                qp[u] = _mm256_set1_epi32(q_pos[t]);
+            }
+            for (int32_t b = c0; b < c1; b += L) {
+                __m256 s[QB][2];
+                for (int32_t u = 0; u < QB; ++u) {
+                    s[u][0] = s[u][1] = _mm256_setzero_ps();
+                }
+                const float * kp = a.kb + (size_t) b*a.hd;
+                for (int32_t d = 0; d < a.hd; ++d) {
+                    const __m256 k0 = _mm256_loadu_ps(kp + (size_t) d*L), k1 = _mm256_loadu_ps(kp + (size_t) d*L + 8);
+                    for (int32_t u = 0; u < QB; ++u) {
+                        const __m256 qd = _mm256_broadcast_ss(qt[u] + d);
+                        s[u][0] = _mm256_fmadd_ps(qd, k0, s[u][0]);
+                        s[u][1] = _mm256_fmadd_ps(qd, k1, s[u][1]);
+                    }
+                }
+                for (int32_t h = 0; h < 2; ++h) {
+                    const __m256i p = _mm256_loadu_si256((const __m256i *) (a.pos + b + 8*h));
+                    const __m256 bias = _mm256_loadu_ps(a.bias + b + 8*h);
+                    for (int32_t u = 0; u < nt; ++u) {
+                        __m256 x = _mm256_fmadd_ps(s[u][h], scale, bias);
+                        x = _mm256_blendv_ps(x, ninf, _mm256_castsi256_ps(_mm256_cmpgt_epi32(p, qp[u])));
+                        _mm256_storeu_ps(a.lg + (size_t) (t0 + u)*a.n_pad + b + 8*h, x);
+                        float * m = a.mx + 8*(size_t) (t0 + u);
+                        _mm256_storeu_ps(m, _mm256_max_ps(_mm256_loadu_ps(m), x));
+                    }
+                }
+            }
+        }
+    }
+    for (int32_t t = 0; t < a.n_q; ++t) {
+        const float * m8 = a.mx + 8*(size_t) t;
+        float m = m8[0];
+        for (int32_t j = 1; j < 8; ++j) {
+            m = m8[j] > m ? m8[j] : m;
+        }
+        if (m == -INFINITY) { // no cell visible to this query
+            continue;
+        }
+        float * row = a.lg + (size_t) t*a.n_pad;
+        const __m256 mv = _mm256_set1_ps(m);
+        __m256d sum0 = _mm256_setzero_pd(), sum1 = _mm256_setzero_pd();
+        for (int32_t i = 0; i < a.n_pad; i += 8) {
+            const __m256 p = edgekv_exp_neg(_mm256_sub_ps(_mm256_loadu_ps(row + i), mv));
+            _mm256_storeu_ps(row + i, p);
+            sum0 = _mm256_add_pd(sum0, _mm256_cvtps_pd(_mm256_castps256_ps128(p)));
+            sum1 = _mm256_add_pd(sum1, _mm256_cvtps_pd(_mm256_extractf128_ps(p, 1)));
+        }
+        double s4[4];
+        _mm256_storeu_pd(s4, _mm256_add_pd(sum0, sum1));
+        const __m256 inv = _mm256_set1_ps((float) (1.0/(s4[0] + s4[1] + s4[2] + s4[3])));
+        for (int32_t i = 0; i < a.n_pad; i += 8) {
+            _mm256_storeu_ps(a.acc + i, _mm256_fmadd_ps(_mm256_loadu_ps(row + i), inv, _mm256_loadu_ps(a.acc + i)));
+        }
+    }
+}
+
+static bool edgekv_has_avx2_fma() {
+    static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return has;
+}
+
+static bool edgekv_host_score(const llama_edgekv_kv & e, const std::vector<int32_t> & todo, int32_t n_head, int32_t n_q,
+                              const float * q, const llama_pos * q_pos, float kq_scale, float * out, int32_t n,
+                              int32_t n_threads) {
+    const int32_t H = e.n_head_kv, hd = e.hd_k, group = n_head/H, L = EDGEKV_SCORE_LANES;
+    const int32_t n_pad = (n + L - 1)/L*L;
+    const bool bias_on = e.kv->edgekv_bias_enabled();
+    std::vector<int32_t> pos(n_pad, std::numeric_limits<int32_t>::max());
+    for (int32_t i = 0; i < n; ++i) {
+        pos[i] = e.cells0().pos_get(e.cells[i]);
+    }
+    std::vector<std::vector<float>> bias(todo.size());
+    const std::vector<float> zeros(n_pad, 0.0f);
+    if (bias_on) { // per layer, the sequence's cells per KV head: [H][n_pad]
+        for (size_t j = 0; j < todo.size(); ++j) {
+            const std::vector<float> bh = e.bias_host(todo[j]);
+            bias[j].assign((size_t) H*n_pad, 0.0f);
+            for (int32_t h = 0; h < H; ++h) {
+                for (int32_t i = 0; i < n; ++i) {
+                    bias[j][(size_t) h*n_pad + i] = bh[(size_t) e.cells[i]*H + h];
+                }
+            }
+        }
+    }
+    return edgekv_host_parallel((int32_t) todo.size()*H, n_threads, [&](int32_t item, std::vector<uint8_t> & tmp) {
+        const int32_t j = item/H, h = item % H, l = todo[j];
+        const ggml_tensor * k = e.layers()[l].k;
+        const size_t row_bytes = ggml_row_size(k->type, hd);
+        const size_t n_kb = (size_t) n_pad*hd, n_lg = (size_t) n_q*n_pad;
+        tmp.resize((n_kb + n_lg + 8*(size_t) n_q + 2*(size_t) n_pad + hd)*sizeof(float));
+        float * kb = (float *) tmp.data();
+        float * lg = kb + n_kb, * mx = lg + n_lg, * acc = mx + 8*(size_t) n_q, * sum = acc + n_pad, * rowf = sum + n_pad;
+        for (int32_t i = 0; i < n_pad; ++i) {
+            if (i < n) {
+                edgekv_to_f32(k->type, (const uint8_t *) k->data + ((size_t) e.cells[i]*H + h)*row_bytes, rowf, hd);
+            }
+            float * blk = kb + (size_t) (i/L)*L*hd + i % L;
+            for (int32_t d = 0; d < hd; ++d) {
+                blk[(size_t) d*L] = i < n ? rowf[d] : 0.0f;
+            }
+        }
+        const edgekv_score_head a = {n_pad, hd, n_q, kb, pos.data(), bias_on ? bias[j].data() + (size_t) h*n_pad : zeros.data(),
+                                     kq_scale, lg, mx, acc};
+        std::fill(sum, sum + n_pad, 0.0f);
+        for (int32_t g = 0; g < group; ++g) { // query head h*group + g: its queries, summed first, as the graph
+            std::fill(acc, acc + n_pad, 0.0f);
+            edgekv_score_one_avx2(a, q + ((size_t) l*n_head + h*group + g)*n_q*hd, q_pos);
+            for (int32_t i = 0; i < n_pad; ++i) {
+                sum[i] += acc[i];
+            }
+        }
+        std::copy(sum, sum + n, out + ((size_t) l*H + h)*n);
+    });
+}
+#endif
+
 int32_t llama_edgekv_seq_score(
         llama_context * ctx, llama_seq_id seq_id, int32_t n_head, int32_t n_q, const float * q, const llama_pos * q_pos,
         float kq_scale, const int32_t * layers, int32_t n_layers, float * out, int32_t n) {
@@ -1083,6 +1267,13 @@ int32_t llama_edgekv_seq_score(
             todo.push_back(l);
         }
     }
+#ifdef EDGEKV_X86_DISPATCH
+    if (edgekv_host_cache(e) && edgekv_has_avx2_fma()) {
+        llama_synchronize(ctx);
+        return edgekv_host_score(e, todo, n_head, n_q, q, q_pos, kq_scale, out, n, (int32_t) ctx->n_threads())
+                   ? LLAMA_EDGEKV_OK : LLAMA_EDGEKV_ERR_COMPUTE;
+    }
+#endif
     const auto & c = e.cells0();
 
     // causal mask by position, shared by every head
