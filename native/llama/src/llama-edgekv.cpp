@@ -1207,35 +1207,68 @@ static bool edgekv_host_score(const llama_edgekv_kv & e, const std::vector<int32
             }
         }
     }
-    return edgekv_host_parallel((int32_t) todo.size()*H, n_threads, [&](int32_t item, std::vector<uint8_t> & tmp) {
-        const int32_t j = item/H, h = item % H, l = todo[j];
-        const ggml_tensor * k = e.layers()[l].k;
-        const size_t row_bytes = ggml_row_size(k->type, hd);
-        const size_t n_kb = (size_t) n_pad*hd, n_lg = (size_t) n_q*n_pad;
-        tmp.resize((n_kb + n_lg + 8*(size_t) n_q + 2*(size_t) n_pad + hd)*sizeof(float));
-        float * kb = (float *) tmp.data();
-        float * lg = kb + n_kb, * mx = lg + n_lg, * acc = mx + 8*(size_t) n_q, * sum = acc + n_pad, * rowf = sum + n_pad;
-        for (int32_t i = 0; i < n_pad; ++i) {
-            if (i < n) {
-                edgekv_to_f32(k->type, (const uint8_t *) k->data + ((size_t) e.cells[i]*H + h)*row_bytes, rowf, hd);
-            }
-            float * blk = kb + (size_t) (i/L)*L*hd + i % L;
-            for (int32_t d = 0; d < hd; ++d) {
-                blk[(size_t) d*L] = i < n ? rowf[d] : 0.0f;
-            }
-        }
-        const edgekv_score_head a = {n_pad, hd, n_q, kb, pos.data(), bias_on ? bias[j].data() + (size_t) h*n_pad : zeros.data(),
-                                     kq_scale, lg, mx, acc};
-        std::fill(sum, sum + n_pad, 0.0f);
-        for (int32_t g = 0; g < group; ++g) { // query head h*group + g: its queries, summed first, as the graph
-            std::fill(acc, acc + n_pad, 0.0f);
-            edgekv_score_one_avx2(a, q + ((size_t) l*n_head + h*group + g)*n_q*hd, q_pos);
+    // Layers go in batches whose converted keys fit in 64 MiB. Per batch, the keys of each
+    // (layer, KV head) are converted first; then each (layer, query head) is an item of its
+    // own, so a call for one layer (SnapKV's scorer asks layer by layer) still shares its
+    // nine query heads out over the threads, where three KV heads on two threads left one
+    // idle half the time. A KV head's query heads are summed in order afterwards.
+    const size_t per_head = (size_t) n_pad*hd;
+    const int32_t n_todo = (int32_t) todo.size();
+    const int32_t batch = std::max<int32_t>(1, std::min<int32_t>(n_todo, (int32_t) ((64u << 20)/(H*per_head*sizeof(float)))));
+    std::vector<float> kb, acc;
+    try {
+        kb.resize((size_t) batch*H*per_head);
+        acc.resize((size_t) batch*n_head*n_pad);
+    } catch (const std::bad_alloc &) {
+        return false;
+    }
+    for (int32_t j0 = 0; j0 < n_todo; j0 += batch) {
+        const int32_t nb = std::min(batch, n_todo - j0);
+        bool ok = edgekv_host_parallel(nb*H, n_threads, [&](int32_t item, std::vector<uint8_t> & tmp) {
+            const int32_t h = item % H, l = todo[j0 + item/H];
+            const ggml_tensor * k = e.layers()[l].k;
+            const size_t row_bytes = ggml_row_size(k->type, hd);
+            tmp.resize(hd*sizeof(float));
+            float * rowf = (float *) tmp.data();
+            float * kh = kb.data() + (size_t) item*per_head;
             for (int32_t i = 0; i < n_pad; ++i) {
-                sum[i] += acc[i];
+                if (i < n) {
+                    edgekv_to_f32(k->type, (const uint8_t *) k->data + ((size_t) e.cells[i]*H + h)*row_bytes, rowf, hd);
+                }
+                float * blk = kh + (size_t) (i/L)*L*hd + i % L;
+                for (int32_t d = 0; d < hd; ++d) {
+                    blk[(size_t) d*L] = i < n ? rowf[d] : 0.0f;
+                }
+            }
+        });
+        ok = ok && edgekv_host_parallel(nb*n_head, n_threads, [&](int32_t item, std::vector<uint8_t> & tmp) {
+            const int32_t jj = item/n_head, qh = item % n_head, h = qh/group, l = todo[j0 + jj];
+            tmp.resize(((size_t) n_q*n_pad + 8*(size_t) n_q)*sizeof(float));
+            float * lg = (float *) tmp.data();
+            float * ac = acc.data() + (size_t) item*n_pad;
+            std::fill(ac, ac + n_pad, 0.0f);
+            const float * b = bias_on ? bias[j0 + jj].data() + (size_t) h*n_pad : zeros.data();
+            const edgekv_score_head a = {n_pad, hd, n_q, kb.data() + ((size_t) jj*H + h)*per_head, pos.data(), b,
+                                         kq_scale, lg, lg + (size_t) n_q*n_pad, ac};
+            edgekv_score_one_avx2(a, q + ((size_t) l*n_head + qh)*n_q*hd, q_pos);
+        });
+        if (!ok) {
+            return false;
+        }
+        for (int32_t jj = 0; jj < nb; ++jj) {
+            for (int32_t h = 0; h < H; ++h) {
+                float * o = out + ((size_t) todo[j0 + jj]*H + h)*n;
+                std::fill(o, o + n, 0.0f);
+                for (int32_t g = 0; g < group; ++g) { // query head h*group + g, summed over its queries first, as the graph
+                    const float * ac = acc.data() + ((size_t) jj*n_head + h*group + g)*n_pad;
+                    for (int32_t i = 0; i < n; ++i) {
+                        o[i] += ac[i];
+                    }
+                }
             }
         }
-        std::copy(sum, sum + n, out + ((size_t) l*H + h)*n);
-    });
+    }
+    return true;
 }
 #endif
 
@@ -1509,11 +1542,33 @@ static void edgekv_lag_group(const float * x, const float * ref, int32_t hd, int
 #pragma GCC pop_options
 #endif
 
-// the rows of one head's groups of members as F32, each group channel-major and packed:
-// group g's channel d at out[off[g]*hd + d*count[g] + w]
+// undo llama.cpp's Walsh-Hadamard rotation of one row in blocks of rot channels: the
+// butterflies in natural order, then 1/sqrt(rot), as float operations in the order of
+// edgekv's reader (unrotate), so the result is the same floats
+static void edgekv_unrotate(float * x, int32_t hd, int32_t rot) {
+    const float scale = 1.0f/std::sqrt((float) rot);
+    for (int32_t c = 0; c < hd; c += rot) {
+        float * y = x + c;
+        for (int32_t h = 1; h < rot; h *= 2) {
+            for (int32_t i = 0; i < rot; i += 2*h) {
+                for (int32_t j = i; j < i + h; ++j) {
+                    const float a = y[j], b = y[j + h];
+                    y[j]     = a + b;
+                    y[j + h] = a - b;
+                }
+            }
+        }
+        for (int32_t j = 0; j < rot; ++j) {
+            y[j] = y[j]*scale;
+        }
+    }
+}
+
+// the rows of one head's groups of members as F32 (unrotated by rot, if not 0), each group
+// channel-major and packed: group g's channel d at out[off[g]*hd + d*count[g] + w]
 static void edgekv_lag_rows(const llama_edgekv_kv & e, const ggml_tensor * t, bool transposed, int32_t h, int32_t hd,
-                            const int32_t * mem, const int32_t * count, const int32_t * off, int32_t n_rows,
-                            int32_t width, float * out, std::vector<float> & buf) {
+                            int32_t rot, const int32_t * mem, const int32_t * count, const int32_t * off,
+                            int32_t n_rows, int32_t width, float * out, std::vector<float> & buf) {
     const int32_t H = e.n_head_kv;
     const uint32_t * cells = e.cells.data();
     if (!transposed) {
@@ -1524,6 +1579,9 @@ static void edgekv_lag_rows(const llama_edgekv_kv & e, const ggml_tensor * t, bo
             for (int32_t w = 0; w < count[g]; ++w) {
                 const uint8_t * src = (const uint8_t *) t->data + ((size_t) cells[mem[(size_t) g*width + w]]*H + h)*row_bytes;
                 edgekv_to_f32(t->type, src, buf.data(), hd);
+                if (rot) {
+                    edgekv_unrotate(buf.data(), hd, rot);
+                }
                 for (int32_t d = 0; d < hd; ++d) {
                     o[(size_t) d*count[g] + w] = buf[d];
                 }
@@ -1559,7 +1617,7 @@ static void edgekv_lag_rows(const llama_edgekv_kv & e, const ggml_tensor * t, bo
 
 int32_t llama_edgekv_seq_lag_scores(
         llama_context * ctx, llama_seq_id seq_id, int32_t n_group, int32_t width, const int32_t * members,
-        double * out, int32_t n) {
+        int32_t k_rot, int32_t v_rot, double * out, int32_t n) {
     llama_edgekv_kv e;
     const int32_t rc = e.init_seq(ctx, seq_id);
     if (rc != LLAMA_EDGEKV_OK) {
@@ -1567,6 +1625,15 @@ int32_t llama_edgekv_seq_lag_scores(
     }
     const int32_t H = e.n_head_kv;
     if (!members || !out || n != (int32_t) e.cells.size() || n == 0 || n_group < 1 || width < 1) {
+        return LLAMA_EDGEKV_ERR_ARG;
+    }
+    auto rot_ok = [](int32_t rot, int32_t hd) { // 0, or a power of two that divides the head
+        return rot == 0 || (rot > 0 && (rot & (rot - 1)) == 0 && hd % rot == 0);
+    };
+    if (!rot_ok(k_rot, e.hd_k) || !rot_ok(v_rot, e.hd_v)) {
+        return LLAMA_EDGEKV_ERR_ARG;
+    }
+    if (v_rot && e.v_trans()) { // llama.cpp rotates only quantised V, which it never transposes
         return LLAMA_EDGEKV_ERR_ARG;
     }
     const size_t per_head = (size_t) (n_group + 1)*width;
@@ -1604,8 +1671,9 @@ int32_t llama_edgekv_seq_lag_scores(
         float * kx = (float *) tmp.data();
         float * vx = kx + nk;
         std::vector<float> buf;
-        edgekv_lag_rows(e, layer.k, false, h, e.hd_k, mem, count.data(), off.data(), n_group + 1, width, kx, buf);
-        edgekv_lag_rows(e, layer.v, e.v_trans(), h, e.hd_v, mem, count.data(), off.data(), n_group + 1, width, vx, buf);
+        edgekv_lag_rows(e, layer.k, false, h, e.hd_k, k_rot, mem, count.data(), off.data(), n_group + 1, width, kx, buf);
+        edgekv_lag_rows(e, layer.v, e.v_trans(), h, e.hd_v, v_rot, mem, count.data(), off.data(), n_group + 1, width, vx,
+                        buf);
         std::vector<double> sk(width), sv(width), work;
         for (int32_t g = 0; g < n_group; ++g) {
             double * o = out + ((size_t) item*n_group + g)*width;
