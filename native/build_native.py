@@ -49,7 +49,7 @@ int32_t llama_edgekv_seq_score(struct llama_context * ctx, llama_seq_id seq_id, 
                               const int32_t * layers, int32_t n_layers, float * out, int32_t n);
 int32_t llama_edgekv_seq_key_sqnorms(struct llama_context * ctx, llama_seq_id seq_id, float * out, int32_t n);
 int32_t llama_edgekv_seq_lag_scores(struct llama_context * ctx, llama_seq_id seq_id, int32_t n_group, int32_t width,
-                                    const int32_t * members, int32_t k_rot, int32_t v_rot, double * out, int32_t n);
+                                    const int32_t * members, double * out, int32_t n);
 """
 
 

@@ -18,7 +18,6 @@ from edgekv.errors import EdgekvError
 from edgekv.kvcache import CacheState, StateEngine, layout, native_available
 from edgekv.kvcache import native as native_mod
 from edgekv.kvcache.native import NativeEngine, NativeUnsupported, ReadBuffers, load
-from edgekv.kvcache.snapshot import unrotate
 from edgekv.llama import Context
 from edgekv.methods import get_method, lagkv
 from edgekv.session import Session
@@ -474,24 +473,22 @@ def _groups(rng: np.random.Generator, L: int, H: int, n: int, g: int, w: int) ->
                          ids=["f16", "bf16-vt", "f32-vt", "f16-fa", "q8_0-fa", "q8_0-vt"])
 def test_device_lag_scores_are_the_kernels_doubles(smollm2, toks, ck, cv, fa, monkeypatch) -> None:
     # LagKV's scores computed in the cache's memory equal, to the last bit, the compiled
-    # kernel's on the K/V read out and unrotated where llama.cpp rotates (q8_0), for groups
+    # kernel's on the K/V read out, as stored (rotated where llama.cpp rotates), for groups
     # of cells that differ per head after a compaction, with empty and padded groups
     ctx, eng = _prefilled(smollm2, toks, ck, cv, fa)
     L, H = smollm2.arch.n_layer, smollm2.arch.n_head_kv
-    assert bool(ctx.k_rot) == (ck == "q8_0")  # the rotation is covered
     rng = np.random.default_rng(11)
     eng.compact(_keep(rng, L, H, eng.n_cells, 150))
     members = _groups(rng, L, H, eng.n_cells, 5, 24)  # cell order
     got = eng.lag_scores(members)
-    k, v = eng.read(range(L), cell_order=True)  # as stored
-    k = unrotate(k.reshape(-1, k.shape[-1]), ctx.k_rot).reshape(k.shape)
-    v = unrotate(v.reshape(-1, v.shape[-1]), ctx.v_rot).reshape(v.shape)
+    k, v = eng.read(range(L), cell_order=True)
     for il in range(L):
         want = lagkv.group_scores(k[il].transpose(1, 0, 2), v[il].transpose(1, 0, 2), members[il])
         assert np.array_equal(got[il], want), il
     assert np.isneginf(got).any() and (got[np.isfinite(got)] >= 0).all()  # padding; softmax sums
+    # the snapshot serves them where the read would return K/V as the model computed them
     snap = eng.snapshot()
-    assert np.array_equal(snap.lag_scores(members), got)
+    assert (snap.lag_scores(members) is None) == bool(ctx.k_rot or ctx.v_rot)
     monkeypatch.setenv("EDGEKV_GRAPH_OPS", "1")  # the path of a cache outside host memory
     with pytest.raises(NativeUnsupported):
         eng.lag_scores(members)
@@ -500,13 +497,11 @@ def test_device_lag_scores_are_the_kernels_doubles(smollm2, toks, ck, cv, fa, mo
 
 
 @pytest.mark.parametrize(("budget", "compacted"), [(None, False), (300, False), (None, True), (300, True)])
-@pytest.mark.parametrize(("ck", "fa"), [("f16", "off"), ("q8_0", "on")], ids=["f16", "q8_0-rotated"])
-def test_lagkv_keeps_the_same_cells_on_both_engines(smollm2, toks, budget, compacted, ck, fa) -> None:
-    # the native engine scores in the cache's memory, the state engine from K/V it reads
-    # (and unrotates, for q8_0): the same ranks, so the same selection, through LagKV's step
-    # (an intact cache: its partitions are consecutive cells) and its shrink (after a
-    # per-head compaction)
-    ctx = _ctx(smollm2, ck, ck, fa)
+def test_lagkv_keeps_the_same_cells_on_both_engines(smollm2, toks, budget, compacted) -> None:
+    # the native engine scores in the cache's memory, the state engine from K/V it reads:
+    # the same ranks, so the same selection, through LagKV's step (an intact cache: its
+    # partitions are consecutive cells) and its shrink (after a per-head compaction)
+    ctx = _ctx(smollm2, "f16", "f16", "off")
     state, native = StateEngine(ctx), NativeEngine(ctx)
     prefill(native, (toks * 3)[:480])
     state.tokens = native.tokens
@@ -552,16 +547,14 @@ def test_bad_arguments_are_refused_and_cache_kept(smollm2, toks) -> None:
     members = np.zeros(L * H * 2 * 4, np.int32)
     scores = np.zeros(L * H * 4)
     m_buf, s_buf = ffi.from_buffer("int32_t[]", members), ffi.from_buffer("double[]", scores)
-    assert lib.llama_edgekv_seq_lag_scores(c, 0, 1, 4, m_buf, 0, 0, s_buf, n) == 0
+    assert lib.llama_edgekv_seq_lag_scores(c, 0, 1, 4, m_buf, s_buf, n) == 0
     members[5] = n  # out of range
-    assert lib.llama_edgekv_seq_lag_scores(c, 0, 1, 4, m_buf, 0, 0, s_buf, n) == -2
+    assert lib.llama_edgekv_seq_lag_scores(c, 0, 1, 4, m_buf, s_buf, n) == -2
     members[5] = -2
-    assert lib.llama_edgekv_seq_lag_scores(c, 0, 1, 4, m_buf, 0, 0, s_buf, n) == -2
+    assert lib.llama_edgekv_seq_lag_scores(c, 0, 1, 4, m_buf, s_buf, n) == -2
     members[5] = 0
-    assert lib.llama_edgekv_seq_lag_scores(c, 0, 0, 4, m_buf, 0, 0, s_buf, n) == -2  # no group to score
-    assert lib.llama_edgekv_seq_lag_scores(c, 0, 1, 4, m_buf, 0, 0, s_buf, n + 1) == -2
-    for k_rot, v_rot in ((3, 0), (0, 48), (-64, 0), (128, 0)):  # not a power of two dividing the 64-wide head
-        assert lib.llama_edgekv_seq_lag_scores(c, 0, 1, 4, m_buf, k_rot, v_rot, s_buf, n) == -2
+    assert lib.llama_edgekv_seq_lag_scores(c, 0, 0, 4, m_buf, s_buf, n) == -2  # no group to score
+    assert lib.llama_edgekv_seq_lag_scores(c, 0, 1, 4, m_buf, s_buf, n + 1) == -2
     with pytest.raises(EdgekvError, match="members must be"):
         eng.lag_scores(np.zeros((L, H, 1, 4), np.int64))
     with pytest.raises(EdgekvError):

@@ -50,7 +50,7 @@ _ERRORS = {
 }
 
 
-NATIVE_API = 8  # the patch set version (LLAMA_EDGEKV_API_VERSION) these bindings are written for
+NATIVE_API = 7  # the patch set version (LLAMA_EDGEKV_API_VERSION) these bindings are written for
 READ_BYTES = 32 << 20  # float32 K+V one native read brings back at most (its device output buffer)
 
 
@@ -438,9 +438,8 @@ class NativeEngine:
                               f"got {list(members.shape)}")
         m = np.ascontiguousarray(members, dtype=np.int32)
         out = np.empty((L, H, g1 - 1, w))
-        self._check(self.lib.llama_edgekv_seq_lag_scores(self._c, self.seq, g1 - 1, w, self._i32(m), self.ctx.k_rot,
-                                                         self.ctx.v_rot, self.ffi.from_buffer("double[]", out),
-                                                         self.n_cells),
+        self._check(self.lib.llama_edgekv_seq_lag_scores(self._c, self.seq, g1 - 1, w, self._i32(m),
+                                                         self.ffi.from_buffer("double[]", out), self.n_cells),
                     "lag_scores")
         return out
 
@@ -580,6 +579,8 @@ class NativeSnapshot(KVSnapshot):
 
     def lag_scores(self, members: np.ndarray) -> np.ndarray | None:
         eng = self._live()
+        if eng.ctx.k_rot or eng.ctx.v_rot:
+            return None  # LagKV's per-channel statistics need the unrotated K/V of a read
         try:
             cells = members if self.in_order else np.where(members >= 0, self.order[np.maximum(members, 0)], -1)
             return eng.lag_scores(cells)

@@ -262,21 +262,8 @@ def hadamard(n: int) -> np.ndarray:
 
 def unrotate(x: np.ndarray, block: int) -> np.ndarray:
     """Undo llama.cpp's Walsh-Hadamard rotation of quantised caches (H is its own inverse)
-    on float32 rows ``x`` [n, channels]; ``block`` 0: not rotated.
-
-    Computed as the fast transform, not as a product with H: the butterflies in natural
-    order (for h = 1, 2, 4, ..: a + b and a - b of channels j and j + h), then 1/sqrt(block),
-    each a float32 operation in a fixed order. That is x @ H up to rounding, and the exact
-    floats LagKV's op computes in the cache's memory (``llama_edgekv_seq_lag_scores``),
-    where a matrix product's rounding would depend on the BLAS."""
+    on rows ``x`` [n, channels]; ``block`` 0: not rotated."""
     if not block:
         return x
     n, c = x.shape
-    y = np.asarray(x, np.float32).reshape(-1, block)
-    h = 1
-    while h < block:
-        y = y.reshape(-1, block // (2 * h), 2, h)
-        a, b = y[:, :, 0], y[:, :, 1]
-        y = np.stack([a + b, a - b], axis=2)
-        h *= 2
-    return y.reshape(n, c) * (np.float32(1.0) / np.sqrt(np.float32(block)))
+    return (x.reshape(n, c // block, block) @ hadamard(block)).reshape(n, c)

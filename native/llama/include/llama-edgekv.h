@@ -25,8 +25,7 @@ extern "C" {
 //   5: llama_edgekv_seq_key_sqnorms
 //   6: llama_edgekv_seq_read reads a run of layers in one graph
 //   7: llama_edgekv_seq_lag_scores
-//   8: llama_edgekv_seq_lag_scores undoes llama.cpp's Hadamard rotation of a quantised cache
-#define LLAMA_EDGEKV_API_VERSION 8
+#define LLAMA_EDGEKV_API_VERSION 7
 
 // what every op returns: LLAMA_EDGEKV_OK (or a count, where documented) or an error
 enum llama_edgekv_status {
@@ -149,11 +148,7 @@ LLAMA_API int32_t llama_edgekv_seq_key_sqnorms(
 // n_group is a reference only). A group's members end at its first -1; padding scores
 // -INFINITY, a group without a reference scores uniformly, a non-finite row scores 0.
 // float64, in the order of edgekv's reference kernel, so the scores are the same doubles.
-// k_rot and v_rot (0: none) undo llama.cpp's Walsh-Hadamard rotation of a quantised K or V
-// in blocks of that many channels (a power of two dividing the head): each row, as F32, goes
-// through the butterflies in natural order (for h = 1, 2, 4, ..: a + b, a - b of channels
-// j and j + h) and is scaled by 1/sqrt(block) in float, the same float operations as
-// edgekv's reader (unrotate in edgekv/kvcache/snapshot.py), so the rows are the same floats.
+// K/V are taken as stored: for a cache llama.cpp Hadamard-rotates they are not LagKV's.
 // LLAMA_EDGEKV_ERR_UNSUPPORTED where the cache is not in host memory (read K and V instead).
 LLAMA_API int32_t llama_edgekv_seq_lag_scores(
         struct llama_context * ctx,
@@ -161,8 +156,6 @@ LLAMA_API int32_t llama_edgekv_seq_lag_scores(
                      int32_t   n_group,
                      int32_t   width,
                const int32_t * members,
-                     int32_t   k_rot,
-                     int32_t   v_rot,
                       double * out,
                      int32_t   n);
 

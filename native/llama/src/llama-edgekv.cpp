@@ -1542,33 +1542,11 @@ static void edgekv_lag_group(const float * x, const float * ref, int32_t hd, int
 #pragma GCC pop_options
 #endif
 
-// undo llama.cpp's Walsh-Hadamard rotation of one row in blocks of rot channels: the
-// butterflies in natural order, then 1/sqrt(rot), as float operations in the order of
-// edgekv's reader (unrotate), so the result is the same floats
-static void edgekv_unrotate(float * x, int32_t hd, int32_t rot) {
-    const float scale = 1.0f/std::sqrt((float) rot);
-    for (int32_t c = 0; c < hd; c += rot) {
-        float * y = x + c;
-        for (int32_t h = 1; h < rot; h *= 2) {
-            for (int32_t i = 0; i < rot; i += 2*h) {
-                for (int32_t j = i; j < i + h; ++j) {
-                    const float a = y[j], b = y[j + h];
-                    y[j]     = a + b;
-                    y[j + h] = a - b;
-                }
-            }
-        }
-        for (int32_t j = 0; j < rot; ++j) {
-            y[j] = y[j]*scale;
-        }
-    }
-}
-
-// the rows of one head's groups of members as F32 (unrotated by rot, if not 0), each group
-// channel-major and packed: group g's channel d at out[off[g]*hd + d*count[g] + w]
+// the rows of one head's groups of members as F32, each group channel-major and packed:
+// group g's channel d at out[off[g]*hd + d*count[g] + w]
 static void edgekv_lag_rows(const llama_edgekv_kv & e, const ggml_tensor * t, bool transposed, int32_t h, int32_t hd,
-                            int32_t rot, const int32_t * mem, const int32_t * count, const int32_t * off,
-                            int32_t n_rows, int32_t width, float * out, std::vector<float> & buf) {
+                            const int32_t * mem, const int32_t * count, const int32_t * off, int32_t n_rows,
+                            int32_t width, float * out, std::vector<float> & buf) {
     const int32_t H = e.n_head_kv;
     const uint32_t * cells = e.cells.data();
     if (!transposed) {
@@ -1579,9 +1557,6 @@ static void edgekv_lag_rows(const llama_edgekv_kv & e, const ggml_tensor * t, bo
             for (int32_t w = 0; w < count[g]; ++w) {
                 const uint8_t * src = (const uint8_t *) t->data + ((size_t) cells[mem[(size_t) g*width + w]]*H + h)*row_bytes;
                 edgekv_to_f32(t->type, src, buf.data(), hd);
-                if (rot) {
-                    edgekv_unrotate(buf.data(), hd, rot);
-                }
                 for (int32_t d = 0; d < hd; ++d) {
                     o[(size_t) d*count[g] + w] = buf[d];
                 }
@@ -1617,7 +1592,7 @@ static void edgekv_lag_rows(const llama_edgekv_kv & e, const ggml_tensor * t, bo
 
 int32_t llama_edgekv_seq_lag_scores(
         llama_context * ctx, llama_seq_id seq_id, int32_t n_group, int32_t width, const int32_t * members,
-        int32_t k_rot, int32_t v_rot, double * out, int32_t n) {
+        double * out, int32_t n) {
     llama_edgekv_kv e;
     const int32_t rc = e.init_seq(ctx, seq_id);
     if (rc != LLAMA_EDGEKV_OK) {
@@ -1625,15 +1600,6 @@ int32_t llama_edgekv_seq_lag_scores(
     }
     const int32_t H = e.n_head_kv;
     if (!members || !out || n != (int32_t) e.cells.size() || n == 0 || n_group < 1 || width < 1) {
-        return LLAMA_EDGEKV_ERR_ARG;
-    }
-    auto rot_ok = [](int32_t rot, int32_t hd) { // 0, or a power of two that divides the head
-        return rot == 0 || (rot > 0 && (rot & (rot - 1)) == 0 && hd % rot == 0);
-    };
-    if (!rot_ok(k_rot, e.hd_k) || !rot_ok(v_rot, e.hd_v)) {
-        return LLAMA_EDGEKV_ERR_ARG;
-    }
-    if (v_rot && e.v_trans()) { // llama.cpp rotates only quantised V, which it never transposes
         return LLAMA_EDGEKV_ERR_ARG;
     }
     const size_t per_head = (size_t) (n_group + 1)*width;
@@ -1671,9 +1637,8 @@ int32_t llama_edgekv_seq_lag_scores(
         float * kx = (float *) tmp.data();
         float * vx = kx + nk;
         std::vector<float> buf;
-        edgekv_lag_rows(e, layer.k, false, h, e.hd_k, k_rot, mem, count.data(), off.data(), n_group + 1, width, kx, buf);
-        edgekv_lag_rows(e, layer.v, e.v_trans(), h, e.hd_v, v_rot, mem, count.data(), off.data(), n_group + 1, width, vx,
-                        buf);
+        edgekv_lag_rows(e, layer.k, false, h, e.hd_k, mem, count.data(), off.data(), n_group + 1, width, kx, buf);
+        edgekv_lag_rows(e, layer.v, e.v_trans(), h, e.hd_v, mem, count.data(), off.data(), n_group + 1, width, vx, buf);
         std::vector<double> sk(width), sv(width), work;
         for (int32_t g = 0; g < n_group; ++g) {
             double * o = out + ((size_t) item*n_group + g)*width;
