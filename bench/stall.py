@@ -17,13 +17,18 @@ rounds); the compression's own time, from the session's counters, is beside it.
 
 Methods that tally attention from the sequence's start (H2O) are left out: their
 tally would slow every decode of the shared session (``attention_cost`` measures H2O).
-Writes ``bench/results/stall.json``.
+Writes ``bench/results/stall.json``. ``--update`` replaces only the rows of the methods
+and cache types this run measures and keeps the others (each row records the command
+that measured it), so a costly method (KVzip: minutes per round) need not be run again
+after a change to another.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import sys
 import time
 
 
@@ -36,11 +41,12 @@ def main() -> None:
     ap.add_argument("--cache-types", default="f16")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--update", action="store_true", help="keep the rows of stall.json this run does not measure")
     a = ap.parse_args()
     if a.length < 256 or not 0 < a.ratio < 1 or a.rounds < 1:
         ap.error("need --length >= 256, 0 < --ratio < 1 and --rounds >= 1")
 
-    from edgekv.bench.results import machine, write_json
+    from edgekv.bench.results import RESULTS, machine, write_json
     from edgekv.bench.speed import long_text_tokens
     from edgekv.errors import EdgekvError
     from edgekv.llama import Model, SamplerConfig
@@ -62,6 +68,8 @@ def main() -> None:
     observe = max(METHODS[m]().queries_needed for m in names)
     moments = any(METHODS[m].query_statistics for m in names)
     rows = []
+    command = " ".join(["bench/stall.py", *sys.argv[1:]])
+    old_command = "bench/stall.py --length 8192 --cache-types f16,q8_0 --rounds 3"  # rows from before rows named theirs
     for ct in a.cache_types.split(","):
         with Session(model, method="full", n_ctx=a.length + spare, chunk=512, cache_type_k=ct, cache_type_v=ct,
                      n_threads=a.threads, observe=observe, moments=moments) as s:
@@ -104,16 +112,23 @@ def main() -> None:
                           f"{times[m]['full'][-1]:.2f} s when full (compression {times[m]['compress'][-1]:.2f} s)",
                           flush=True)
             for m, why in refused.items():
-                rows.append({"method": m, "cache_type": ct, "length": a.length, "refused": why})
+                rows.append({"method": m, "cache_type": ct, "length": a.length, "refused": why, "command": command})
             for m in [m for m in names if m not in refused]:
                 room, full = statistics.median(times[m]["room"]), statistics.median(times[m]["full"])
                 rows.append({"method": m, "cache_type": ct, "length": a.length, "ratio": a.ratio,
                              "cells_after": cells_after[m], "turn_tokens": n_turn,
                              "first_token_s_room": round(room, 3), "first_token_s_full": round(full, 3),
                              "stall_s": round(full - room, 3),
-                             "compress_s": round(statistics.median(times[m]["compress"]), 3), "raw": times[m]})
+                             "compress_s": round(statistics.median(times[m]["compress"]), 3), "raw": times[m],
+                             "command": command})
     model.close()
-    out = write_json("stall", {"machine": machine(), "args": vars(a), "rows": rows})
+    if a.update and (RESULTS / "stall.json").exists():
+        measured = {(r["method"], r["cache_type"]) for r in rows}
+        old = json.loads((RESULTS / "stall.json").read_text())["rows"]
+        kept = [{**r, "command": r.get("command", old_command)} for r in old if (r["method"], r["cache_type"]) not in measured]
+        order = {(m, ct): i for i, (m, ct) in enumerate((m, ct) for ct in ("f16", "q8_0", "q4_0") for m in METHODS)}
+        rows = sorted(kept + rows, key=lambda r: order.get((r["method"], r["cache_type"]), len(order)))
+    out = write_json("stall", {"machine": machine(), "rows": rows})
     print(f"{'method':18s} {'cache':6s} {'room s':>7s} {'full s':>7s} {'stall s':>8s} {'compress s':>10s}")
     for row in rows:
         if "refused" in row:
