@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import os
 import re
 import signal
 import socket
@@ -123,7 +124,13 @@ def _run(model: Model, toks: list[int], fa: str) -> dict[str, object]:
     out["keys"] = np.stack([snap.keys(li) for li in range(L)])
     out["values"] = np.stack([snap.values(li) for li in range(L)])
     q = np.random.default_rng(9).standard_normal((L, model.arch.n_head, 6, d)).astype(np.float32)
-    out["scores"] = eng.score(q, np.asarray(snap.pos[-6:], dtype=np.int32), 1.0 / np.sqrt(d))
+    q_pos = np.asarray(snap.pos[-6:], dtype=np.int32)
+    out["scores"] = eng.score(q, q_pos, 1.0 / np.sqrt(d))  # a local cache: the host kernel
+    os.environ["EDGEKV_GRAPH_OPS"] = "1"  # the graph, which the servers run
+    try:
+        out["scores_graph"] = eng.score(q, q_pos, 1.0 / np.sqrt(d))
+    finally:
+        del os.environ["EDGEKV_GRAPH_OPS"]
     out["norms"] = eng.key_sqnorms(cell_order=True)
     greedy = []
     tok = toks[-1]
@@ -144,8 +151,11 @@ def test_native_ops_on_the_servers_equal_the_local_cache(smollm2, remote, toks, 
     assert local["compacted"] != local["merged"]  # the merge changed the cache
     for key in ("compacted", "merged"):
         assert far[key] == local[key], f"{key}: the cache bytes differ"
-    for key in ("bias", "keys", "values", "scores", "norms"):
+    for key in ("bias", "keys", "values", "scores_graph", "norms"):
         np.testing.assert_array_equal(far[key], local[key], err_msg=key)
+    # the servers' scores are the graph's; locally the host kernel rounds differently
+    np.testing.assert_array_equal(far["scores"], far["scores_graph"])
+    np.testing.assert_allclose(far["scores"], local["scores"], rtol=1e-5, atol=1e-6)
     assert far["greedy"] == local["greedy"]
     np.testing.assert_array_equal(far["logits"], local["logits"])
 
