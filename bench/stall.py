@@ -69,7 +69,6 @@ def main() -> None:
     moments = any(METHODS[m].query_statistics for m in names)
     rows = []
     command = " ".join(["bench/stall.py", *sys.argv[1:]])
-    old_command = "bench/stall.py --length 8192 --cache-types f16,q8_0 --rounds 3"  # rows from before rows named theirs
     for ct in a.cache_types.split(","):
         with Session(model, method="full", n_ctx=a.length + spare, chunk=512, cache_type_k=ct, cache_type_v=ct,
                      n_threads=a.threads, observe=observe, moments=moments) as s:
@@ -125,7 +124,7 @@ def main() -> None:
     if a.update and (RESULTS / "stall.json").exists():
         measured = {(r["method"], r["cache_type"]) for r in rows}
         old = json.loads((RESULTS / "stall.json").read_text())["rows"]
-        kept = [{**r, "command": r.get("command", old_command)} for r in old if (r["method"], r["cache_type"]) not in measured]
+        kept = [r for r in old if (r["method"], r["cache_type"]) not in measured]
         order = {(m, ct): i for i, (m, ct) in enumerate((m, ct) for ct in ("f16", "q8_0", "q4_0") for m in METHODS)}
         rows = sorted(kept + rows, key=lambda r: order.get((r["method"], r["cache_type"]), len(order)))
     out = write_json("stall", {"machine": machine(), "rows": rows})
