@@ -18,6 +18,7 @@ Run by ``scripts/setup.sh``; by hand: ``.venv/bin/python native/build_native.py`
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import sysconfig
 from pathlib import Path
@@ -54,6 +55,11 @@ int32_t llama_edgekv_seq_lag_scores(struct llama_context * ctx, llama_seq_id seq
 
 
 def site_packages() -> Path:
+    """The site holding llama_cpp: this Python's own, or the folder ``build_llama.py --target``
+    installed it into (on ``PYTHONPATH``), whose ``include/`` and ``llama_cpp/lib`` sit beside it."""
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is not None and spec.origin:
+        return Path(spec.origin).resolve().parent.parent
     return Path(sysconfig.get_paths()["purelib"])
 
 
