@@ -473,3 +473,17 @@ def test_generate_question_is_compressed_with_the_prompt(smollm2_path, tmp_path,
     # generated tokens add cells after it (no later compression fits in n_ctx 288), so the
     # prompt was tokens_seen - (cells - 160) tokens: the last compression came right after it
     assert last_seen == s["tokens_seen"] - (s["cells"] - 160)
+
+
+def test_import_loads_libllama_first_only_for_cuda_builds() -> None:
+    # A CUDA build of libllama loaded after numpy crashed in the tokenizer on a GPU machine
+    # (docs/backends.md): `import edgekv` loads such a build before anything imports numpy,
+    # and leaves CPU builds unloaded so `edgekv --help` stays quick.
+    import sys
+    from importlib.util import find_spec
+
+    lib = Path(next(iter(find_spec("llama_cpp").submodule_search_locations))) / "lib"
+    cuda = any(lib.glob("libggml-cuda.*"))
+    probe = "import sys, edgekv; print('llama_cpp.llama_cpp' in sys.modules, 'numpy' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+    assert r.stdout.split() == [str(cuda), str(cuda)], r.stdout + r.stderr
