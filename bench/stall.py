@@ -17,7 +17,7 @@ rounds); the compression's own time, from the session's counters, is beside it.
 
 Methods that tally attention from the sequence's start (H2O) are left out: their
 tally would slow every decode of the shared session (``attention_cost`` measures H2O).
-Writes ``bench/results/stall.json``. ``--update`` replaces only the rows of the methods
+Writes ``bench/results/stall.json`` (``stall_<model>.json`` for another ``--model``). ``--update`` replaces only the rows of the methods
 and cache types this run measures and keeps the others (each row records the command
 that measured it), so a costly method (KVzip: minutes per round) need not be run again
 after a change to another.
@@ -30,6 +30,7 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 
 def main() -> None:
@@ -41,7 +42,9 @@ def main() -> None:
     ap.add_argument("--cache-types", default="f16")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--update", action="store_true", help="keep the rows of stall.json this run does not measure")
+    ap.add_argument("--update", action="store_true", help="keep the rows of the results file this run does not measure")
+    ap.add_argument("--out", default=None,
+                    help="results name (default: stall for the default model, else stall_<model>)")
     a = ap.parse_args()
     if a.length < 256 or not 0 < a.ratio < 1 or a.rounds < 1:
         ap.error("need --length >= 256, 0 < --ratio < 1 and --rounds >= 1")
@@ -121,13 +124,14 @@ def main() -> None:
                              "compress_s": round(statistics.median(times[m]["compress"]), 3), "raw": times[m],
                              "command": command})
     model.close()
-    if a.update and (RESULTS / "stall.json").exists():
+    name = a.out or ("stall" if a.model == "smollm2-135m" else f"stall_{Path(a.model).stem}")
+    if a.update and (RESULTS / f"{name}.json").exists():
         measured = {(r["method"], r["cache_type"]) for r in rows}
-        old = json.loads((RESULTS / "stall.json").read_text())["rows"]
+        old = json.loads((RESULTS / f"{name}.json").read_text())["rows"]
         kept = [r for r in old if (r["method"], r["cache_type"]) not in measured]
         order = {(m, ct): i for i, (m, ct) in enumerate((m, ct) for ct in ("f16", "q8_0", "q4_0") for m in METHODS)}
         rows = sorted(kept + rows, key=lambda r: order.get((r["method"], r["cache_type"]), len(order)))
-    out = write_json("stall", {"machine": machine(), "rows": rows})
+    out = write_json(name, {"machine": machine(), "model": a.model, "rows": rows})
     print(f"{'method':18s} {'cache':6s} {'room s':>7s} {'full s':>7s} {'stall s':>8s} {'compress s':>10s}")
     for row in rows:
         if "refused" in row:
