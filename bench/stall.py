@@ -124,7 +124,7 @@ def main() -> None:
                              "compress_s": round(statistics.median(times[m]["compress"]), 3), "raw": times[m],
                              "command": command})
     model.close()
-    name = a.out or ("stall" if a.model == "smollm2-135m" else f"stall_{Path(a.model).stem}")
+    name = a.out or ("stall" if a.model == "smollm2-135m" else f"stall_{Path(a.model).name.removesuffix('.gguf')}")
     if a.update and (RESULTS / f"{name}.json").exists():
         measured = {(r["method"], r["cache_type"]) for r in rows}
         old = json.loads((RESULTS / f"{name}.json").read_text())["rows"]

@@ -202,6 +202,25 @@ def test_merge_groups_bins_stars_by_size() -> None:
     assert [g.tolist() for g in groups] == [[[2, 1], [6, 8]], [[4, 5, 7, 9, 11, -1, -1, -1]]]
 
 
+def test_merge_groups_hold_every_star_once_whatever_the_mix_of_sizes() -> None:
+    """Random merges: each group row is its destination then its sources in ascending
+    order, in the bin of the next power of two, groups in destination order per bin."""
+    rng = np.random.default_rng(3)
+    for _ in range(100):
+        n = int(rng.integers(4, 600))
+        cells = rng.permutation(n)
+        n_dst = int(rng.integers(1, n // 2 + 1))
+        dsts, srcs = cells[:n_dst], cells[n_dst:][: int(rng.integers(1, n - n_dst + 1))]
+        dst = dsts[rng.integers(0, n_dst, srcs.size) % np.maximum(1, rng.integers(1, n_dst + 1))]
+        want: dict[int, list[list[int]]] = {}
+        for d in np.unique(dst):
+            row = [int(d), *sorted(int(x) for x in srcs[dst == d])]
+            w = 1 << (len(row) - 1).bit_length()
+            want.setdefault(w, []).append(row + [-1] * (w - len(row)))
+        got = {g.shape[1]: g.tolist() for g in merge_groups(srcs, dst)}
+        assert got == want
+
+
 def test_bad_merges_are_refused() -> None:
     n = 20
     ok = np.full((L, H, 2), [3, 5])

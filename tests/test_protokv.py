@@ -369,3 +369,23 @@ def test_defaults() -> None:
     assert (m.sinks, m.window, m.chunk, m.buckets, m.irregular, m.seed) == (0, 32, 16, 8, 0, 0)
     assert m.n_bits == 3 and m.n_irregular == 24
     assert ProtoKV(irregular=5).n_irregular == 5
+
+
+def test_assignment_is_float64s_argmax_even_on_near_ties() -> None:
+    """The float32 products hand every row they cannot decide to float64: prototypes
+    that are equal, or apart by far less than float32 resolves, give float64's argmax
+    (first on exact ties), row for row, as do keys of every scale."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((3000, D)) * rng.uniform(1e-3, 50, (3000, 1))
+    base = rng.standard_normal((40, D))
+    base /= np.linalg.norm(base, axis=1, keepdims=True)
+    twin = base[:10] + 1e-9 * rng.standard_normal((10, D))
+    twin /= np.linalg.norm(twin, axis=1, keepdims=True)
+    for protos in (base, np.concatenate([base, base[:5]]), np.concatenate([base, twin]),
+                   np.concatenate([twin, base])):
+        want = np.argmax(x @ protos.T, axis=1)
+        assert np.array_equal(assign(x, protos), want)
+    # keys built on a prototype's bisector tie in exact arithmetic
+    mid = (base[0] + base[1]) / 2
+    on_edge = mid[None, :] * rng.uniform(0.5, 2, (50, 1))
+    assert np.array_equal(assign(on_edge, base), np.argmax(on_edge @ base.T, axis=1))

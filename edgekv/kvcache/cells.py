@@ -217,12 +217,16 @@ def merge_groups(src: np.ndarray, dst: np.ndarray) -> list[np.ndarray]:
     starts = np.flatnonzero(np.r_[True, d[1:] != d[:-1]])
     sizes = np.diff(np.r_[starts, d.size]) + 1  # the destination and its sources
     width = 1 << np.ceil(np.log2(sizes)).astype(int)
+    group = np.repeat(np.arange(starts.size), sizes - 1)  # of each source, in sorted order
+    column = np.arange(d.size) - starts[group] + 1  # its place in the group's row
     out = []
     for w in np.unique(width):
         idx = np.flatnonzero(width == w)
+        row = np.empty(starts.size, np.int64)
+        row[idx] = np.arange(idx.size)
         g = -np.ones((idx.size, int(w)), np.int64)
         g[:, 0] = d[starts[idx]]
-        for row, i in enumerate(idx):
-            g[row, 1 : sizes[i]] = s[starts[i] : starts[i] + sizes[i] - 1]
+        mine = width[group] == w
+        g[row[group[mine]], column[mine]] = s[mine]
         out.append(g)
     return out
