@@ -312,12 +312,15 @@ class NativeEngine:
         """Fold each source cell into its destination per (layer, KV head) and drop the
         sources. With ``bias`` the count-weighted means are computed on the device
         (``llama_edgekv_seq_merge``, re-quantised by ``ggml_set_rows``) and attention adds
-        log(count) from now on; without, the state engine's host merge serves and
-        attention weighs every cell as one token (it writes the same bytes). The device
+        log(count) from now on; without, attention weighs every cell as one token. An
+        unbiased merge of an F16 or F32 cache takes the device op too and zeroes the bias
+        after it (the op and the state engine's host merge write the same bytes there, and
+        the op does not rewrite the whole sequence); quantised caches, whose quantisers may
+        round a block one step apart, keep the state engine's merge. The device
         merge runs one call per group width: if a later call fails, the cache holds some
         averaged destinations without their counts, and the error says the op failed."""
         self._gen += 1
-        if not bias:
+        if not bias and not self._unbiased_on_device():
             self._portable.merge(src, dst, bias=False)
             self._biased = False  # a state write zeroes the device bias of every cell it writes
             return
@@ -330,9 +333,19 @@ class NativeEngine:
         self.tokens.set(self.tokens.full(pos, self.n_layer), merged_counts(old, src, dst, n),
                         rot=self.tokens.full_rot(pos, self.n_layer))
         self.compact(merge_keep(src, n))  # a backend that cannot compact: the state engine does it
+        if not bias:  # the op wrote log(count); attention weighs every cell as one again
+            self._biased = False
+            self.bias_set(np.zeros((self.n_layer, self.n_kv_head, self.n_cells), np.float32))
+            return
         # the op kept log(count) in float32; the host counts are exact, so the device copies them
         self._biased = True
         self._apply_bias()
+
+    def _unbiased_on_device(self) -> bool:
+        """Whether an unbiased merge may run as the device op (see ``merge``)."""
+        types = {self.ctx.cache_type_k, self.ctx.cache_type_v}
+        return (self._alibi is None and types <= {"f16", "f32"} and "bias" in self.capabilities
+                and not self.ctx.model.arch.n_swa)
 
     def _merge_in_place(self, src: np.ndarray, dst: np.ndarray, counts: np.ndarray) -> None:
         """Run the device merge, one call per group width (``merge_groups``); (layer, head)s
