@@ -127,7 +127,9 @@ def assign(x: np.ndarray, protos: np.ndarray) -> np.ndarray:
     This is ProtoKV's largest cost (keys x prototypes, quadratic in the cache). The
     products run in float32, at twice float64's speed, and every row whose best two
     float32 scores lie within their rounding bound of each other is decided again in
-    float64, so the answer is float64's ``argmax(x @ protos.T)`` exactly."""
+    float64, so the answer is float64's ``argmax(x @ protos.T)``. (Only a key within
+    float64's rounding of two prototypes depends on the order its products are summed in,
+    as it already did from one BLAS build to another.)"""
     n, c = x.shape[0], protos.shape[0]
     if c <= 1:
         return np.zeros(n, dtype=np.int64)
