@@ -10,7 +10,8 @@
 # Every stage is `edgekv bench quality`, which skips rows already written: stop it
 # at any point (or pause it with kill -STOP / -CONT while something else needs the
 # cores) and run it again to go on. Hours on 2 cores: SmolLM2 first, then Qwen.
-# The plot and table: `python bench/frontier_plot.py` (reads what is there so far).
+# The tables and plots (accuracy against KV bytes per cache type, among them):
+# `edgekv bench report bench/results/smollm2` (reads what is there so far).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 q() { .venv/bin/edgekv bench quality --n 20 --ratios 0.5,0.75,0.875 "$@"; }
