@@ -35,7 +35,10 @@ def _load_cuda_libllama_first() -> None:
         return
     lib = Path(next(iter(spec.submodule_search_locations))) / "lib"
     if any(lib.glob("libggml-cuda.*")):
-        import llama_cpp.llama_cpp  # noqa: F401  (loads libllama and its backends)
+        try:
+            import llama_cpp.llama_cpp  # noqa: F401  (loads libllama and its backends)
+        except Exception:
+            pass  # a broken install: edgekv.llama.lib() reports it in one line when it is needed
 
 
 _load_cuda_libllama_first()
