@@ -17,10 +17,10 @@ rounds); the compression's own time, from the session's counters, is beside it.
 
 Methods that tally attention from the sequence's start (H2O) are left out: their
 tally would slow every decode of the shared session (``attention_cost`` measures H2O).
-Writes ``bench/results/stall.json`` (``stall_<model>.json`` for another ``--model``). ``--update`` replaces only the rows of the methods
-and cache types this run measures and keeps the others (each row records the command
-that measured it), so a costly method (KVzip: minutes per round) need not be run again
-after a change to another.
+Writes ``bench/results/stall.json`` (``stall_<model>.json`` for another ``--model``).
+``--update`` replaces only the rows of the methods and cache types this run measures and
+keeps the others (each row records the command that measured it), so a costly method
+(KVzip: minutes per round) need not be run again after a change to another.
 """
 
 from __future__ import annotations

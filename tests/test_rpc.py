@@ -126,11 +126,15 @@ def _run(model: Model, toks: list[int], fa: str) -> dict[str, object]:
     q = np.random.default_rng(9).standard_normal((L, model.arch.n_head, 6, d)).astype(np.float32)
     q_pos = np.asarray(snap.pos[-6:], dtype=np.int32)
     out["scores"] = eng.score(q, q_pos, 1.0 / np.sqrt(d))  # a local cache: the host kernel
+    before = os.environ.get("EDGEKV_GRAPH_OPS")
     os.environ["EDGEKV_GRAPH_OPS"] = "1"  # the graph, which the servers run
     try:
         out["scores_graph"] = eng.score(q, q_pos, 1.0 / np.sqrt(d))
-    finally:
-        del os.environ["EDGEKV_GRAPH_OPS"]
+    finally:  # as the run found it (a developer may run the suite with the switch on)
+        if before is None:
+            del os.environ["EDGEKV_GRAPH_OPS"]
+        else:
+            os.environ["EDGEKV_GRAPH_OPS"] = before
     out["norms"] = eng.key_sqnorms(cell_order=True)
     greedy = []
     tok = toks[-1]
