@@ -65,7 +65,15 @@ class Capture:
         for il in range(self.n_layer) if layers is None else layers:
             if self._lib.edgekv_capture_want(self._c, name.encode(), il, on) != 0:
                 raise EdgekvError(f"cannot capture {name!r} of layer {il} (at most 4 names, "
-                                  f"layers 0..{self.n_layer - 1})")
+                                  f"layers 0..{self.n_layer - 1}, each captured one way)")
+
+    def want_sums(self, name: str, layers: range | list[int] | None = None, on: bool = True) -> None:
+        """Ask for an attention softmax (``kq_soft_max``) reduced as it is evaluated:
+        ``column_sums`` then returns what each cell received, without copying the softmax."""
+        for il in range(self.n_layer) if layers is None else layers:
+            if self._lib.edgekv_capture_want_sums(self._c, name.encode(), il, on) != 0:
+                raise EdgekvError(f"cannot capture the sums of {name!r} of layer {il} (at most 4 names, "
+                                  f"layers 0..{self.n_layer - 1}, each captured one way)")
 
     def clear(self) -> None:
         """Forget what earlier decodes captured (the buffers stay allocated)."""
@@ -83,3 +91,14 @@ class Capture:
         n = ne[0] * ne[1] * ne[2] * ne[3]
         buf = self._ffi.buffer(s.data, n * 4)
         return np.frombuffer(buf, dtype=np.float32).copy().reshape(ne[::-1])
+
+    def column_sums(self, name: str, layer: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """What the last decode's attention paid each cell of ``layer`` (asked for with
+        ``want_sums``): (float32 [n_head, width], per head the softmax summed over the
+        decode's tokens; the cell indices int [m] the mask let its last token see, in cell
+        order), columns in the cache's own cell order; None when nothing was evaluated."""
+        t = self.get(name, layer)
+        if t is None:
+            return None
+        t = t.reshape(t.shape[-2:])
+        return t[:-1], np.flatnonzero(t[-1])

@@ -69,6 +69,7 @@ struct edgekv_capture;
 struct edgekv_capture * edgekv_capture_new(int32_t n_layer);
 void    edgekv_capture_free(struct edgekv_capture * c);
 int32_t edgekv_capture_want(struct edgekv_capture * c, const char * name, int32_t layer, bool on);
+int32_t edgekv_capture_want_sums(struct edgekv_capture * c, const char * name, int32_t layer, bool on);
 bool    edgekv_capture_eval(struct ggml_tensor * t, bool ask, void * user_data);
 const struct edgekv_capture_slot * edgekv_capture_get(const struct edgekv_capture * c, const char * name,
                                                       int32_t layer);

@@ -15,6 +15,7 @@
 #include "ggml.h"
 #include "ggml-backend.h"
 
+#include <math.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -26,6 +27,9 @@ struct edgekv_capture {
     int32_t n_name;
     int32_t n_layer;
     char    names[EDGEKV_CAPTURE_MAX_NAMES][EDGEKV_CAPTURE_NAME_LEN];
+    bool    sums[EDGEKV_CAPTURE_MAX_NAMES]; // reduce to column sums instead of copying
+    float * scratch;    // host copy of a tensor outside host memory
+    size_t  scratch_cap;
     uint8_t * want;     // [n_name][n_layer]
     struct edgekv_capture_slot * slots; // [n_name][n_layer]
     int32_t status;
@@ -60,10 +64,12 @@ void edgekv_capture_free(struct edgekv_capture * c) {
     }
     free(c->slots);
     free(c->want);
+    free(c->scratch);
     free(c);
 }
 
-int32_t edgekv_capture_want(struct edgekv_capture * c, const char * name, int32_t layer, bool on) {
+static int32_t edgekv_capture_want_mode(struct edgekv_capture * c, const char * name, int32_t layer, bool on,
+                                        bool sums) {
     if (!c || !name || layer < 0 || layer >= c->n_layer || strlen(name) >= EDGEKV_CAPTURE_NAME_LEN) {
         return EDGEKV_CAPTURE_ERR_ARG;
     }
@@ -78,10 +84,21 @@ int32_t edgekv_capture_want(struct edgekv_capture * c, const char * name, int32_
         if (c->n_name == EDGEKV_CAPTURE_MAX_NAMES) {
             return EDGEKV_CAPTURE_ERR_ARG;
         }
+        c->sums[c->n_name] = sums;
         strcpy(c->names[c->n_name++], name);
+    } else if (on && c->sums[i] != sums) {
+        return EDGEKV_CAPTURE_ERR_ARG; // one name, one way of capturing it
     }
     c->want[(size_t) i * c->n_layer + layer] = on ? 1 : 0;
     return EDGEKV_CAPTURE_OK;
+}
+
+int32_t edgekv_capture_want(struct edgekv_capture * c, const char * name, int32_t layer, bool on) {
+    return edgekv_capture_want_mode(c, name, layer, on, false);
+}
+
+int32_t edgekv_capture_want_sums(struct edgekv_capture * c, const char * name, int32_t layer, bool on) {
+    return edgekv_capture_want_mode(c, name, layer, on, true);
 }
 
 // the slot a tensor name maps to, or NULL when nobody asked for it
@@ -105,6 +122,103 @@ static struct edgekv_capture_slot * edgekv_capture_match(struct edgekv_capture *
     return NULL;
 }
 
+// at least n floats in *data (grown with realloc); false when memory ran out
+static bool edgekv_capture_reserve(float ** data, size_t * cap, size_t n) {
+    if (n <= *cap) {
+        return true;
+    }
+    float * d = realloc(*data, n * sizeof(float));
+    if (!d) {
+        return false;
+    }
+    *data = d;
+    *cap  = n;
+    return true;
+}
+
+// the bytes [offset, offset + size) of t, where the host can read them: in place when t
+// lives in host memory, else copied into the capture's scratch
+static const void * edgekv_capture_host(struct edgekv_capture * c, const struct ggml_tensor * t, size_t offset,
+                                        size_t size) {
+    if (t->buffer && ggml_backend_buffer_is_host(t->buffer)) {
+        return (const char *) t->data + offset;
+    }
+    if (!edgekv_capture_reserve(&c->scratch, &c->scratch_cap, (size + sizeof(float) - 1)/sizeof(float))) {
+        return NULL;
+    }
+    ggml_backend_tensor_get(t, c->scratch, offset, size);
+    return c->scratch;
+}
+
+// Reduce an attention softmax p [n_kv, n_tokens, n_head] into the slot, laid out as
+// [n_head + 1][width]: row h adds up p over the tokens for head h (summed over every
+// evaluation since the last clear: a decode split into ubatches); row n_head is 1 where
+// the mask (the softmax's src[1]) lets the last token see the cell, else 0. width is the
+// largest n_kv seen; columns are cells in the cache's own order.
+static int32_t edgekv_capture_sum(struct edgekv_capture * c, struct edgekv_capture_slot * s,
+                                  const struct ggml_tensor * t) {
+    if (t->type != GGML_TYPE_F32 || !ggml_is_contiguous(t) || t->ne[3] != 1) {
+        return EDGEKV_CAPTURE_ERR_TYPE; // one stream only
+    }
+    const int64_t n_kv = t->ne[0], n_tok = t->ne[1], n_head = t->ne[2];
+    const int64_t rows = n_head + 1;
+    if (s->n_seen > 0 && s->ne[1] != rows) {
+        return EDGEKV_CAPTURE_ERR_TYPE;
+    }
+    const int64_t width = s->n_seen > 0 && s->ne[0] > n_kv ? s->ne[0] : n_kv;
+    if (!edgekv_capture_reserve(&s->data, &s->cap, (size_t) rows*width)) {
+        return EDGEKV_CAPTURE_ERR_ALLOC;
+    }
+    if (s->n_seen == 0) {
+        memset(s->data, 0, (size_t) rows*width*sizeof(float));
+    } else if (width > s->ne[0]) { // widen the rows in place, the last first
+        const int64_t old = s->ne[0];
+        for (int64_t r = rows - 1; r >= 0; --r) {
+            memmove(s->data + r*width, s->data + r*old, (size_t) old*sizeof(float));
+            memset(s->data + r*width + old, 0, (size_t) (width - old)*sizeof(float));
+        }
+    }
+    s->ne[0] = width; s->ne[1] = rows; s->ne[2] = 1; s->ne[3] = 1;
+
+    const float * p = edgekv_capture_host(c, t, 0, ggml_nbytes(t));
+    if (!p) {
+        return EDGEKV_CAPTURE_ERR_ALLOC;
+    }
+    for (int64_t h = 0; h < n_head; ++h) {
+        float * acc = s->data + h*width;
+        for (int64_t i = 0; i < n_tok; ++i) {
+            const float * row = p + (h*n_tok + i)*n_kv;
+            for (int64_t j = 0; j < n_kv; ++j) {
+                acc[j] += row[j];
+            }
+        }
+    }
+
+    float * vis = s->data + n_head*width;
+    memset(vis, 0, (size_t) width*sizeof(float));
+    const struct ggml_tensor * m = t->src[1];
+    if (!m) { // no mask: every cell is seen
+        for (int64_t j = 0; j < n_kv; ++j) {
+            vis[j] = 1.0f;
+        }
+        return EDGEKV_CAPTURE_OK;
+    }
+    if ((m->type != GGML_TYPE_F32 && m->type != GGML_TYPE_F16) || m->ne[0] != n_kv || m->ne[1] < n_tok ||
+        m->nb[0] != ggml_type_size(m->type)) {
+        return EDGEKV_CAPTURE_ERR_TYPE;
+    }
+    const void * mrow = edgekv_capture_host(c, m, (size_t) (n_tok - 1)*m->nb[1], (size_t) n_kv*m->nb[0]);
+    if (!mrow) {
+        return EDGEKV_CAPTURE_ERR_ALLOC;
+    }
+    for (int64_t j = 0; j < n_kv; ++j) {
+        const float x = m->type == GGML_TYPE_F32 ? ((const float *) mrow)[j]
+                                                 : ggml_fp16_to_fp32(((const ggml_fp16_t *) mrow)[j]);
+        vis[j] = x > -INFINITY ? 1.0f : 0.0f;
+    }
+    return EDGEKV_CAPTURE_OK;
+}
+
 bool edgekv_capture_eval(struct ggml_tensor * t, bool ask, void * user_data) {
     struct edgekv_capture * c = (struct edgekv_capture *) user_data;
     if (!c || c->n_name == 0) {
@@ -115,6 +229,15 @@ bool edgekv_capture_eval(struct ggml_tensor * t, bool ask, void * user_data) {
         return s != NULL;
     }
     if (!s) {
+        return true;
+    }
+    if (c->sums[(s - c->slots) / c->n_layer]) {
+        const int32_t rc = edgekv_capture_sum(c, s, t);
+        if (rc != EDGEKV_CAPTURE_OK) {
+            c->status = rc;
+            return true;
+        }
+        s->n_seen += 1;
         return true;
     }
     if (t->type != GGML_TYPE_F32 || t->nb[0] != sizeof(float)) {

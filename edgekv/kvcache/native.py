@@ -158,7 +158,7 @@ class NativeEngine:
         self.ctx = ctx
         self.seq = seq
         self._portable = StateEngine(ctx, seq)
-        self._portable.attention = self._device_attention  # H2O's tally, scored on the device
+        self._portable.attention = self._device_attention  # H2O's tally where it is scored: on the device
         self.capabilities = frozenset({"merge", "score", "read", "bias"}) | self._portable.capabilities
         self.tokens = self._portable.tokens
         self.n_kv_head = self._portable.n_kv_head
@@ -281,6 +281,7 @@ class NativeEngine:
 
     def _snapshot(self) -> KVSnapshot:
         pos_cells = self.cell_positions()
+        self._portable.fold_tally(pos_cells)
         order = np.argsort(pos_cells, kind="stable")
         pos = pos_cells[order]
         n = pos.shape[0]
@@ -296,6 +297,7 @@ class NativeEngine:
 
     def _compact(self, keep: np.ndarray) -> None:
         pos_cells = self.cell_positions()
+        self._portable.fold_tally(pos_cells)
         order = np.argsort(pos_cells, kind="stable")
         pos = pos_cells[order]
         keep = check_keep(keep, self.n_layer, self.n_kv_head, pos.shape[0])
@@ -324,7 +326,9 @@ class NativeEngine:
             self._portable.merge(src, dst, bias=False)
             self._biased = False  # a state write zeroes the device bias of every cell it writes
             return
-        pos = np.sort(self.cell_positions())
+        pos_cells = self.cell_positions()
+        self._portable.fold_tally(pos_cells)
+        pos = np.sort(pos_cells)
         n = pos.shape[0]
         src, dst = check_merge(src, dst, self.n_layer, self.n_kv_head, n)
         old = self.tokens.full_counts(self.n_layer, n)

@@ -199,13 +199,21 @@ class AttentionTally:
     """Attention accumulated by every cell from every query decoded since the tally
     started (H2O's heavy-hitter score): float64 [rows, n_kv_head, n_cells], cells in
     position order, rows as the query window's. Compactions gather it like the
-    cells; cells decoded before the tally started count zero."""
+    cells; cells decoded before the tally started count zero.
+
+    Two ways in: ``add`` takes attention already in position order (scored again over
+    the cache); ``add_cells`` takes what llama.cpp's own softmax paid, captured as the
+    model decoded, in the cache's cell order. Those wait in ``pending`` until ``fold``
+    is told the cells' positions (which a snapshot or a compaction reads anyway), so a
+    decode needs no read of the cache at all."""
 
     def __init__(self, scores: np.ndarray, complete: bool = True) -> None:
         self.scores = np.asarray(scores, np.float64)
         # False when cells were decoded without their queries being tallied (the tally
         # started late, or recording failed): H2O refuses such a tally
         self.complete = complete
+        self.pending: np.ndarray | None = None  # float64 [rows, H, width]: by cell index, since the last fold
+        self._seen: np.ndarray | None = None  # the cells the last captured decode saw, in cell order
 
     @classmethod
     def zeros(cls, rows: int, n_kv_head: int, n_cells: int) -> AttentionTally:
@@ -225,6 +233,36 @@ class AttentionTally:
         grown[:, :, : self.n_cells] = self.scores
         self.scores = grown + attention
 
+    def add_cells(self, attention: np.ndarray, seen: np.ndarray) -> None:
+        """Add one decode's attention as the model computed it: [rows, H, width], columns
+        the cache's cells by index; ``seen``: the indices of the sequence's cells after the
+        decode, ascending (what the mask let its last token see)."""
+        w = attention.shape[2]
+        if self.pending is None:
+            self.pending = np.zeros(attention.shape)
+        elif w > self.pending.shape[2]:
+            self.pending = np.concatenate([self.pending, np.zeros(self.pending.shape[:2] + (w - self.pending.shape[2],))],
+                                          axis=2)
+        self.pending[:, :, :w] += attention
+        self._seen = np.asarray(seen)
+
+    def fold(self, cell_pos: np.ndarray) -> None:
+        """Put what ``add_cells`` gathered into position order: ``cell_pos`` are the
+        positions of the sequence's cells in cell order, as llama.cpp holds them now. The
+        cells added since the last fold have the latest positions and come last. If the
+        capture's cells and llama.cpp's disagree, the tally cannot be placed: it is zeroed
+        and marked incomplete (H2O then refuses it) rather than guessed."""
+        if self.pending is None:
+            return
+        pending, seen = self.pending, self._seen
+        self.pending = self._seen = None
+        n = int(np.asarray(cell_pos).shape[0])
+        if seen is None or seen.shape[0] != n or n < self.n_cells or (n and seen[-1] >= pending.shape[2]):
+            self.scores = np.zeros(self.scores.shape[:2] + (n,))
+            self.complete = False
+            return
+        self.add(pending[:, :, seen][:, :, np.argsort(cell_pos, kind="stable")])
+
     def grow(self, n: int) -> None:
         """Cells decoded without their attention tallied: zeros, and the tally is incomplete."""
         if n > self.n_cells:
@@ -233,6 +271,8 @@ class AttentionTally:
 
     def compact(self, keep: np.ndarray) -> None:
         """The cells ``keep`` [rows, H, B] (or [B], the same for all) kept, in that order."""
+        if self.pending is not None:
+            raise EdgekvError("the tally holds captured attention not yet placed (fold it before a compaction)")
         keep = np.asarray(keep)
         if keep.ndim == 1:
             self.scores = self.scores[:, :, keep]
@@ -242,9 +282,13 @@ class AttentionTally:
     def clear(self) -> None:
         self.scores = self.scores[:, :, :0]
         self.complete = True
+        self.pending = self._seen = None
 
     def copy(self) -> AttentionTally:
-        return AttentionTally(self.scores.copy(), self.complete)
+        out = AttentionTally(self.scores.copy(), self.complete)
+        if self.pending is not None:
+            out.pending, out._seen = self.pending.copy(), self._seen
+        return out
 
 
 def window_attention(q: np.ndarray, q_pos: np.ndarray, k: np.ndarray, k_pos: np.ndarray, kq_scale: float,

@@ -9,6 +9,8 @@ lives and falls back to this one where its ops cannot serve.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from ..errors import EdgekvError, StateLayoutError
@@ -56,6 +58,8 @@ class StateEngine:
         self.moments: QueryMoments | None = None  # pre-RoPE query statistics (Expected Attention)
         # how a decode's queries become attention over the cells (the native engine puts its device op here)
         self.attention = self.host_attention
+        # H2O's tally from llama.cpp's own softmax, reduced as it is computed (``tally_from_softmax``)
+        self._softmax_tally = False
         # "merge": numpy over the blob; "queries": the context's tensor capture can record
         # the observation window
         self.capabilities = frozenset({"merge", "queries"} if ctx.capture is not None else {"merge"})
@@ -70,6 +74,8 @@ class StateEngine:
 
     def decode(self, tokens: list[int], start_pos: int, *, all_logits: bool = False) -> None:
         """Decode tokens at start_pos.. into the sequence and count the cells they take."""
+        if self._softmax_tally:  # the softmax sums add up over evaluations: start this decode's afresh
+            self.ctx.capture.clear()
         self.ctx.decode(tokens, start_pos, all_logits=all_logits, seq=self.seq)
         self._shift_pending = False
         self.tokens.n_cells += len(tokens)
@@ -77,10 +83,12 @@ class StateEngine:
         if self.window is None:
             return
         try:
-            every = self.tally is not None or self.moments is not None
+            every = (self.tally is not None and not self._softmax_tally) or self.moments is not None
             q = self.window.record(self.ctx.capture, start_pos, len(tokens), want_all=every)
             at = np.arange(start_pos, start_pos + len(tokens), dtype=np.int32)
-            if self.tally is not None:
+            if self.tally is not None and self._softmax_tally:
+                self.tally.add_cells(*self._softmax_attention())
+            elif self.tally is not None:
                 self.tally.add(self.attention(q, at))
             if self.moments is not None:
                 self.moments.add(q, at, at + self.tokens.pos_shift)
@@ -95,6 +103,38 @@ class StateEngine:
     def cell_positions(self) -> np.ndarray:
         """Positions of the sequence's cells in cell order (the columns of llama.cpp's KQ)."""
         return self._parse().sections[0].pos.copy()
+
+    def tally_from_softmax(self) -> bool:
+        """Whether H2O's tally can come from the decode's own attention softmax, captured and
+        summed as llama.cpp computes it, instead of scoring each decode's queries again over a
+        read of the cache. Flash attention never forms the softmax, so it keeps the scoring;
+        ``EDGEKV_TALLY=rescore`` asks for the scoring anyway (the benchmarks compare the two)."""
+        return self.ctx.flash_attn == "off" and os.environ.get("EDGEKV_TALLY", "") != "rescore"
+
+    def _softmax_attention(self) -> tuple[np.ndarray, np.ndarray]:
+        """The last decode's attention per (row, KV head, cell index), its query heads'
+        softmax summed over its tokens and over each KV head's GQA group, and the cells of
+        the sequence (what the mask let the last token see)."""
+        group = self.ctx.model.arch.n_head // self.n_kv_head
+        rows, seen = [], None
+        for il in self.layers:
+            got = self.ctx.capture.column_sums("kq_soft_max", il)
+            if got is None:
+                raise EdgekvError(f"the attention capture missed layer {il} of the last decode")
+            sums, vis = got
+            rows.append(sums.reshape(self.n_kv_head, group, -1).sum(axis=1, dtype=np.float64))
+            seen = vis if seen is None else seen
+        width = max(r.shape[1] for r in rows)
+        out = np.zeros((len(rows), self.n_kv_head, width))
+        for r, a in enumerate(rows):
+            out[r, :, : a.shape[1]] = a
+        return out, seen
+
+    def fold_tally(self, cell_pos: np.ndarray) -> None:
+        """Place the captured attention (``AttentionTally.fold``) given the cells' positions
+        in cell order: before the tally is read or the cells move."""
+        if self.tally is not None:
+            self.tally.fold(cell_pos)
 
     def host_attention(self, q: np.ndarray, q_pos: np.ndarray) -> np.ndarray:
         """[rows, H, n]: window attention of ``q`` over the cells, in numpy over a snapshot
@@ -113,6 +153,9 @@ class StateEngine:
         if size <= 0:
             if self.window is not None:
                 self.ctx.capture.want("Qcur", self.layers, on=False)
+            if self._softmax_tally:
+                self.ctx.capture.want_sums("kq_soft_max", self.layers, on=False)
+                self._softmax_tally = False
             self.window = None
             self.tally = None
             self.moments = None
@@ -139,6 +182,9 @@ class StateEngine:
             self.window = self.window.resized(size)
         if tally and self.tally is None:
             self.tally = AttentionTally.zeros(len(self.layers), self.n_kv_head, self.n_cells)
+            if self.tally_from_softmax():
+                self.ctx.capture.want_sums("kq_soft_max", self.layers)
+                self._softmax_tally = True
         if stats is not None:
             self.moments = stats
 
@@ -191,6 +237,7 @@ class StateEngine:
         self._writable()
         st = self._parse()
         sec = st.sections[0]
+        self.fold_tally(sec.pos)
         n, n_layer, H, dk = sec.n_cells, len(sec.layers), self.n_kv_head, self.head_dim_k
         if n == 0:
             return 0
@@ -272,6 +319,7 @@ class StateEngine:
     def snapshot(self) -> KVSnapshot:
         st = self._parse()
         sec = st.sections[0]
+        self.fold_tally(sec.pos)
         order = np.argsort(sec.pos, kind="stable")
         pos = sec.pos[order]
         return HostSnapshot(
@@ -297,6 +345,7 @@ class StateEngine:
         self._whole_tokens_under_alibi(keep)
         st = self._parse()
         sec = st.sections[0]
+        self.fold_tally(sec.pos)
         order = np.argsort(sec.pos, kind="stable")
         pos = sec.pos[order]
         keep = check_keep(keep, len(sec.layers), self.n_kv_head, sec.n_cells)
@@ -334,6 +383,7 @@ class StateEngine:
         self._writable()
         st = self._parse()
         sec = st.sections[0]
+        self.fold_tally(sec.pos)
         order = np.argsort(sec.pos, kind="stable")
         pos = sec.pos[order]
         n, n_layer, H = sec.n_cells, len(sec.layers), self.n_kv_head
@@ -366,6 +416,7 @@ class StateEngine:
         blob = self.ctx.state_get(self.seq)
         st = layout.parse_seq_state(blob, n_caches=self.n_caches, n_layers=None)
         sec = st.sections[0]
+        self.fold_tally(sec.pos)
         pos = np.sort(sec.pos)
         token_pos, rot = self.tokens.full(pos, len(sec.layers)), self.tokens.full_rot(pos, len(sec.layers))
         return CacheState(blob=blob, token_pos=token_pos, engine=self.name,
