@@ -562,11 +562,16 @@ class NativeSnapshot(KVSnapshot):
         return self.engine
 
     def _cells_major(self, x: np.ndarray, rot: int) -> np.ndarray:
-        """[H, n, d] in cell order -> [n, H, d] in position order, unrotated (a view where it can)."""
+        """[H, n, d] in cell order -> [n, H, d] in position order, unrotated (a view where it can).
+        A rotation block lies inside one head's row (llama.cpp sizes it from the head), so it
+        is undone on the rows as read, before the transposition, in one product."""
+        h, n, d = x.shape
+        if rot and d % rot == 0:
+            x = unrotate(x, rot)
+            rot = 0
         x = (x if self.in_order else x[:, self.order]).transpose(1, 0, 2)
         if not rot:
             return x
-        n, h, d = x.shape
         return unrotate(x.reshape(n, h * d), rot).reshape(n, h, d)
 
     def _load(self, layer: int, keys: bool, values: bool) -> None:

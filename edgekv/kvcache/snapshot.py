@@ -19,6 +19,7 @@ which compute the same numbers:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cache
 from typing import ClassVar
 
 import numpy as np
@@ -252,18 +253,21 @@ def key_sqnorms(x: np.ndarray) -> np.ndarray:
     return acc.astype(np.float32)
 
 
+@cache
 def hadamard(n: int) -> np.ndarray:
-    """The orthonormal Walsh-Hadamard matrix exactly as llama.cpp builds it (float32, H @ H = I)."""
+    """The orthonormal Walsh-Hadamard matrix exactly as llama.cpp builds it (float32, H @ H = I);
+    built once per size and read-only."""
     h = np.array([[1.0 / np.sqrt(np.float32(n))]], dtype=np.float32)
     while h.shape[0] < n:
         h = np.block([[h, h], [h, -h]])
+    h.flags.writeable = False
     return h
 
 
 def unrotate(x: np.ndarray, block: int) -> np.ndarray:
     """Undo llama.cpp's Walsh-Hadamard rotation of quantised caches (H is its own inverse)
-    on rows ``x`` [n, channels]; ``block`` 0: not rotated."""
+    on ``x`` [..., channels], each run of ``block`` channels one rotated block, as one
+    matrix product; ``block`` 0: not rotated."""
     if not block:
         return x
-    n, c = x.shape
-    return (x.reshape(n, c // block, block) @ hadamard(block)).reshape(n, c)
+    return (x.reshape(-1, block) @ hadamard(block)).reshape(x.shape)
