@@ -130,6 +130,12 @@ class KVSnapshot:
         the host): the method then scores ``keys`` and ``values`` itself, to the same doubles."""
         return None
 
+    def release(self, layer: int) -> None:
+        """Forget ``layer``'s K and V: a scorer done with them calls it. An engine's snapshot
+        reads them again if asked, and meanwhile a native read's buffer serves the next
+        layers instead of fresh pages (at 8k cells, page faults cost more than the read). K
+        and V given to ``from_arrays`` cannot be read again, so this base keeps them."""
+
     # -- what methods read -------------------------------------------------------
     def keys(self, layer: int) -> np.ndarray:
         """float32 [n_cells, n_kv_head, head_dim_k] (post-RoPE, as cached)."""
@@ -220,6 +226,10 @@ class HostSnapshot(KVSnapshot):
     order: np.ndarray = field(kw_only=True, repr=False)  # cell ordinals in position order
     k_rot: int = field(kw_only=True, default=0, repr=False)  # llama.cpp's Hadamard block, 0: none
     v_rot: int = field(kw_only=True, default=0, repr=False)
+
+    def release(self, layer: int) -> None:
+        self._k.pop(layer, None)  # dequantised again from the blob if asked
+        self._v.pop(layer, None)
 
     def _load(self, layer: int, keys: bool, values: bool) -> None:
         ld = self.section.layers[layer]

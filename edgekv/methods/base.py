@@ -163,6 +163,7 @@ class ScorerMethod(Method):
         keep = np.empty((snap.n_layer, snap.n_kv_head, budget), dtype=np.int64)
         for layer in range(snap.n_layer):
             s = np.asarray(self.score(snap, layer), dtype=np.float64)
+            snap.release(layer)  # its K/V, if the scorer read them: the buffers serve the next layers
             if s.shape != (snap.n_kv_head, n):
                 raise ValueError(f"{self.name}.score returned {s.shape}, expected {(snap.n_kv_head, n)}")
             s = np.where(np.isnan(s), -np.inf, s)

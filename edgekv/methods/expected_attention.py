@@ -83,13 +83,15 @@ def expected_attention_scores(mu: np.ndarray, cov: np.ndarray | None, k: np.ndar
         raise EdgekvError(f"{n_head} query heads do not split into {n_kv} KV heads")
     group = n_head // n_kv
     out = np.full((n_kv, n), np.inf)
+    vnorm = None if v is None else np.linalg.norm(v.astype(np.float64), axis=2)  # [n, n_kv]: one pass for all heads
     for h in range(n_kv):
         cols = np.flatnonzero(scored[h])
         if cols.size == 0:
             continue
-        kh = k[cols, h].astype(np.float64)  # [c, d]
+        if cols[-1] - cols[0] + 1 == cols.size:  # the usual case (all but the sinks): a slice, not a gather
+            cols = slice(int(cols[0]), int(cols[-1]) + 1)
         heads = slice(h * group, (h + 1) * group)
-        logits = kq_scale * (mu[heads] @ kh.T)  # [group, c]
+        logits = kq_scale * (mu[heads] @ k[cols, h].astype(np.float64).T)  # [group, c]
         if cov is not None:  # k^T C k for every key and query head: one float32 product [c, d] x [d, group * d]
             k32 = np.ascontiguousarray(k[cols, h], np.float32)
             kc = k32 @ cov[heads].transpose(1, 0, 2).reshape(d, group * d).astype(np.float32)
@@ -101,7 +103,7 @@ def expected_attention_scores(mu: np.ndarray, cov: np.ndarray | None, k: np.ndar
         p = np.exp(logits)
         p /= p.sum(axis=1, keepdims=True)
         s = p.mean(axis=0)
-        if v is not None:
-            s = (s + epsilon) * np.linalg.norm(v[cols, h].astype(np.float64), axis=1)
+        if vnorm is not None:
+            s = (s + epsilon) * vnorm[cols, h]
         out[h, cols] = s
     return out
