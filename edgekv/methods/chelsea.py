@@ -139,6 +139,7 @@ def match(snap: KVSnapshot, middle: np.ndarray, chunk: int, m: int) -> tuple[np.
     for layer in range(L):
         cells = middle[layer]  # [H, M]
         keys = snap.keys(layer)[cells, heads].astype(np.float32)  # [H, M, d]
+        snap.release(layer)  # a copy is taken: the read's buffer serves the next layers
         a, b, score = edges(keys, chunk)
         if a.size < m:
             return None, None
