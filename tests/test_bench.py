@@ -402,4 +402,4 @@ def test_every_bench_script_is_reachable_from_one_entry_and_documented(capsys) -
     assert "usage: edgekv bench run passkey" in capsys.readouterr().out
     assert run("passkey", ["--no-such-option"]) == 2
     res = CliRunner().invoke(bench_app, ["run", "nope"])
-    assert res.exit_code == 2 and "no benchmark 'nope'; one of: ab_commits, attention_cost" in res.output
+    assert res.exit_code == 2 and "no benchmark 'nope'; one of: ab_commits, ab_compress, attention_cost" in res.output
