@@ -93,7 +93,6 @@ def main() -> None:
     ap.add_argument("--ratio", type=float, default=0.875)
     ap.add_argument("--rounds", type=int, default=5)
     a = ap.parse_args()
-    sys.path.insert(0, str(ROOT))
     from edgekv.bench.results import machine, write_json
 
     trees = {"old": Path(a.old).resolve(), "new": Path(a.new).resolve()}
