@@ -80,6 +80,7 @@ def decode_costs(model: Model, toks: list[int], engine: str, rounds: int, log) -
     prefill: dict[str, list[float]] = {}
     for r in range(rounds):
         for name, window, tally, how in DECODE if r % 2 == 0 else DECODE[::-1]:
+            preset = os.environ.get("EDGEKV_TALLY")
             os.environ["EDGEKV_TALLY"] = how
             try:
                 with Session(model, method="full", n_ctx=n + 64, chunk=512, engine=engine, n_threads=2,
@@ -90,8 +91,11 @@ def decode_costs(model: Model, toks: list[int], engine: str, rounds: int, log) -
                     t0 = time.perf_counter()
                     got = sum(1 for _ in s.generate_tokens(48))
                     out.setdefault(name, []).append(got / (time.perf_counter() - t0))
-            finally:
-                os.environ.pop("EDGEKV_TALLY")
+            finally:  # a value set before the run is put back
+                if preset is None:
+                    os.environ.pop("EDGEKV_TALLY")
+                else:
+                    os.environ["EDGEKV_TALLY"] = preset
     rows = {name: {"decode_tok_s": round(statistics.median(v), 2), "runs": [round(x, 2) for x in v],
                    "prefill_s": _median(prefill[name])}
             for name, v in out.items()}
