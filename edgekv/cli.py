@@ -116,24 +116,9 @@ def _fail(e: Exception) -> None:
 
 
 def _parse_params(items: list[str] | None) -> dict[str, object]:
-    out: dict[str, object] = {}
-    for item in items or []:
-        if "=" not in item:
-            raise EdgekvError(f"--param takes NAME=VALUE, got {item!r}")
-        k, v = item.split("=", 1)
-        val: object
-        if v.lower() in ("true", "false"):
-            out[k.strip()] = v.lower() == "true"
-            continue
-        try:
-            val = int(v)
-        except ValueError:
-            try:
-                val = float(v)
-            except ValueError:
-                val = v
-        out[k.strip()] = val
-    return out
+    from .methods import parse_params
+
+    return parse_params(items or [], "--param")
 
 
 @dataclass(frozen=True)

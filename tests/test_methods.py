@@ -136,6 +136,21 @@ def test_unknown_method_and_parameter() -> None:
         get_method("knorm", bogus=1)
 
 
+def test_parameters_in_the_name() -> None:
+    """``name:k=v:...`` configures as keyword arguments do (a sweep's method list names
+    configurations this way); keywords given beside it win; bad ones are one-line errors."""
+    assert get_method("chunkkv:per_layer=true:chunk=20:window=64") == get_method(
+        "chunkkv", per_layer=True, chunk=20, window=64)
+    assert get_method("chunkkv:chunk=20", chunk=8).chunk == 8
+    wrapped = get_method("knorm:sinks=8+chunk@16")
+    assert (wrapped.method.sinks, wrapped.chunk) == (8, 16)
+    for bad, why in (("chunkkv:chunk", "NAME=VALUE"), ("chunkkv:", "NAME=VALUE"), ("chunkkv:=3", "NAME=VALUE"),
+                     ("chunkkv:bogus=1", "has no parameter 'bogus'"), ("chunkkv:chunk=x", "takes int values"),
+                     ("nope:a=1", "unknown method 'nope'")):
+        with pytest.raises(EdgekvError, match=why):
+            get_method(bad)
+
+
 @pytest.mark.parametrize(("name", "params"), [("snapkv", {"window": 0}), ("snapkv", {"kernel": 4}),
                                               ("chunkkv", {"chunk": 0}), ("chunkkv", {"window": 0}),
                                               ("compresskv", {"heads": 0}), ("h2o", {"recent": 1.0})])

@@ -138,15 +138,14 @@ def _key(r: dict) -> tuple:
 
 def run_speed(grid: SpeedGrid, log: Callable[[str], None] | None = None) -> Path:
     from ..llama import Model, check_flash_attn
-    from ..methods import METHODS
+    from ..methods import get_method
     from ..models import resolve_model
     from ..session import Session
     from .runner import model_label
 
     log = log or (lambda s: print(s, flush=True))
     for m in grid.methods:
-        if m not in METHODS:
-            raise EdgekvError(f"unknown method {m!r}; available: {', '.join(METHODS)}")
+        get_method(m)  # unknown names and bad parameters are one-line errors, before any model loads
     if not 0.0 < grid.ratio < 1.0:
         raise EdgekvError("--ratio must be in (0, 1)")
     for fa in grid.flash_attn:
@@ -167,7 +166,7 @@ def run_speed(grid: SpeedGrid, log: Callable[[str], None] | None = None) -> Path
                             log(f"skip {label} {length}: above the trained context {model.arch.n_ctx_train}")
                             continue
                         for fa in _flash_settings(grid, ct, model, label, log):
-                            rows = _one(model, label, ct, fa, length, grid, Session, METHODS, log)
+                            rows = _one(model, label, ct, fa, length, grid, Session, log)
                             _replace(path, rows, _key)
         finally:
             for model in models.values():
@@ -199,21 +198,22 @@ def _fresh(model, toks: list[int], grid: SpeedGrid, ct: str, fa: str, Session, o
     return sess, sess.save(), len(toks)
 
 
-def _one(model, label, ct, fa, length, grid: SpeedGrid, Session, METHODS, log) -> list[dict]:
+def _one(model, label, ct, fa, length, grid: SpeedGrid, Session, log) -> list[dict]:
     from ..llama import buffer_sizes
+    from ..methods import get_method
     from . import protocol
 
     toks = long_text_tokens(model, length)
     base = {"model": label, "cache_type": ct, "flash_attn": fa, "length": length, "threads": grid.threads,
             "n_gpu_layers": model.n_gpu_layers}
-    if any(METHODS[m].needs & {"queries"} for m in grid.methods):
+    if any(get_method(m).needs & {"queries"} for m in grid.methods):
         base["observe"] = True  # the one-shot prefill recorded the observation window (not H2O's tally)
     rows: list[dict] = []
     n_ctx = length + grid.decode_tokens + 16
     # the prefill records the queries the grid's attention methods read (its cost is in prefill_s)
     # (H2O's tally would slow every decode of this shared session: tallying methods run in stream mode only)
-    observe = max((METHODS[m]().queries_needed for m in grid.methods), default=0)
-    moments = any(METHODS[m].query_statistics for m in grid.methods)  # Expected Attention's statistics
+    observe = max((get_method(m).queries_needed for m in grid.methods), default=0)
+    moments = any(get_method(m).query_statistics for m in grid.methods)  # Expected Attention's statistics
     with Session(model, method="full", n_ctx=n_ctx, chunk=512, cache_type_k=ct, cache_type_v=ct,
                  flash_attn=fa, n_threads=grid.threads, observe=observe, moments=moments) as sess:
         reset_peak_rss()
@@ -232,7 +232,7 @@ def _one(model, label, ct, fa, length, grid: SpeedGrid, Session, METHODS, log) -
             f"KV {n_prompt * per_cell / 2**20:.1f} MiB")
         fresh = None  # (session, its saved state, cells): a context that only ever held that many cells
         for m in grid.methods:
-            cls = METHODS[m]
+            cls = get_method(m)
             if not cls.compresses or getattr(cls, "shifts_positions", False) or cls.tallies:
                 continue
             reset_peak_rss()
@@ -265,7 +265,7 @@ def _one(model, label, ct, fa, length, grid: SpeedGrid, Session, METHODS, log) -
         return rows
     budget = max(64, math.floor(length * (1 - grid.ratio)))
     for m in grid.methods:
-        cls = METHODS[m]
+        cls = get_method(m)
         if not cls.compresses:
             continue
         shift = getattr(cls, "shifts_positions", False)

@@ -40,11 +40,40 @@ METHODS: dict[str, type[Method]] = {
 WRAPPERS: dict[str, type[MethodWrapper]] = {w.suffix: w for w in (KeyRerotation, ChunkSelection)}
 
 
+def parse_value(text: str) -> object:
+    """A parameter value as written on a command line: true/false, an int, a float, else the text."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_params(items: list[str], what: str = "a parameter") -> dict[str, object]:
+    """``NAME=VALUE`` strings to a dict (values through ``parse_value``)."""
+    out: dict[str, object] = {}
+    for item in items:
+        k, eq, v = item.partition("=")
+        if not eq or not k.strip():
+            raise EdgekvError(f"{what} takes NAME=VALUE, got {item!r}")
+        out[k.strip()] = parse_value(v)
+    return out
+
+
 def get_method(name: str, **params: object) -> Method:
     """A configured instance; unknown names and parameters are one-line errors.
     ``knorm+rerotate`` is knorm wrapped in ``KeyRerotation`` (parameters go to knorm);
-    ``knorm+rerotate@6144`` sets the wrapper's one argument (``limit``)."""
+    ``knorm+rerotate@6144`` sets the wrapper's one argument (``limit``).
+    ``chunkkv:per_layer=true:chunk=20`` sets parameters in the name itself, so that one
+    string names a configuration wherever a method name goes (a sweep's ``--methods``,
+    a request); ``params`` given beside it win."""
     base, plus, suffix = name.partition("+")
+    base, colon, spec = base.partition(":")
+    if colon:
+        params = {**parse_params(spec.split(":"), f"{name!r}: a parameter after ':'"), **params}
     if plus:
         suffix, at, arg = suffix.partition("@")
         if suffix not in WRAPPERS:
@@ -57,21 +86,21 @@ def get_method(name: str, **params: object) -> Method:
         if not wrapper.arg:
             raise EdgekvError(f"{name!r}: +{suffix} takes no '@' argument")
         return wrapper(method=get_method(base, **params), **{wrapper.arg: int(arg)})
-    cls = METHODS.get(name)
+    cls = METHODS.get(base)
     if cls is None:
-        raise EdgekvError(f"unknown method {name!r}; available: {', '.join(METHODS)}")
+        raise EdgekvError(f"unknown method {base!r}; available: {', '.join(METHODS)}")
     known = {f.name: f for f in dataclasses.fields(cls)}
     for k in params:
         if k not in known:
             raise EdgekvError(
-                f"method {name!r} has no parameter {k!r}; it takes: {', '.join(known) or 'none'}"
+                f"method {base!r} has no parameter {k!r}; it takes: {', '.join(known) or 'none'}"
             )
     for k, v in params.items():
-        _check_type(name, k, known[k].default, v)
+        _check_type(base, k, known[k].default, v)
     try:
         return cls(**params)  # type: ignore[arg-type]
     except (TypeError, ValueError) as e:
-        raise EdgekvError(f"bad parameters for {name}: {e}") from e
+        raise EdgekvError(f"bad parameters for {base}: {e}") from e
 
 
 def _check_type(method: str, name: str, default: object, value: object) -> None:
@@ -88,4 +117,4 @@ def _check_type(method: str, name: str, default: object, value: object) -> None:
 
 
 __all__ = ["METHODS", "WRAPPERS", "ChunkSelection", "KeyRerotation", "Method", "MethodWrapper", "ScorerMethod",
-           "get_method"]
+           "get_method", "parse_params", "parse_value"]
