@@ -410,6 +410,7 @@ def serve(
     temperature: Annotated[float, typer.Option(help="Default temperature when a request gives none (0 = greedy).")] = 0.7,
     state_dir: Annotated[Path | None, typer.Option(help="Keep conversations here, across restarts and crashes: every completed turn is recorded before its reply ends, and the next server on this directory resumes each conversation (from its saved cache, or rebuilt from its messages). Default: a new directory under ~/.cache/edgekv/server, removed at exit.")] = None,
     model_name: Annotated[str | None, typer.Option(help="The model id clients send (default: the registry name or the file name without .gguf).")] = None,
+    batch: Annotated[bool, typer.Option("--batch/--no-batch", help="Hold the live conversations in one context of --max-live sequences and decode their tokens together, one llama_decode per step (state engine; methods that read the queries or need the log-count bias keep a context of their own).")] = False,
 ) -> None:
     """OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models,
     /v1/edgekv/stats and a web page at /. Every conversation keeps its own compressed cache.
@@ -442,14 +443,14 @@ def serve(
             defaults=Settings(rule.method_name, rule.budget, rule.ratio, rule.params),
             state_dir=state_dir, options=opts.options(), max_live=max_live, max_conversations=max_conversations,
             max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens, temperature=temperature,
-            persist=not own_dir,
+            persist=not own_dir, batch=batch,
         )
         server = App(cfg, api_key=api_key)
         budget, ratio = rule.budget, rule.ratio
         typer.echo(f"edgekv serve: http://{host}:{port}/  model {cfg.model_id}, method {rule.method_name}, "
                    f"n_ctx {rule.capacity}" + (f", budget {budget}" if budget else "")
                    + (f", ratio {ratio}" if ratio else "")
-                   + f", up to {max_live} live conversations", err=True)
+                   + f", up to {max_live} live conversations" + (", decoded together" if batch else ""), err=True)
         try:
             run_server(server, host, port)
         finally:

@@ -461,6 +461,8 @@ class Context(_Owned):
         self.mem = L.llama_get_memory(self.ptr)
         self.n_ctx = L.llama_n_ctx(self.ptr)
         self.n_batch = p.n_batch
+        self.n_stream = 1 if p.kv_unified else n_seq_max  # KV streams: one per sequence unless unified
+        self.n_ctx_seq = int(L.llama_n_ctx_seq(self.ptr))  # the cells one sequence can hold
         self.cache_type_k = cache_type_k
         self.cache_type_v = cache_type_v
         self.flash_attn = flash_attn  # as resolved; "auto" only where llama.cpp decides (GPU offload)
@@ -489,6 +491,29 @@ class Context(_Owned):
         if rc != 0:
             raise EdgekvError(
                 f"llama_decode failed (code {rc}, context of {self.n_ctx} cells): "
+                f"{last_log_error() or 'no free slot in the KV cache'}"
+            )
+
+    def decode_each(self, items: list[tuple[int, int, int]]) -> None:
+        """One ``llama_decode`` for tokens of several sequences, ``(token, position, seq)``
+        each, with logits for every one (``logits(i)`` is the i-th item's): how a context
+        holding several conversations advances them all in one step."""
+        self._live()
+        n = len(items)
+        if n == 0 or n > self.n_batch:
+            raise ValueError(f"decode_each takes 1..{self.n_batch} tokens, got {n}")
+        b = self._batch
+        b.n_tokens = n
+        for i, (t, pos, seq) in enumerate(items):
+            b.token[i] = t
+            b.pos[i] = pos
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = seq
+            b.logits[i] = True
+        rc = lib().llama_decode(self.ptr, b)
+        if rc != 0:
+            raise EdgekvError(
+                f"llama_decode failed (code {rc}, {n} sequences in a context of {self.n_ctx} cells): "
                 f"{last_log_error() or 'no free slot in the KV cache'}"
             )
 
@@ -556,6 +581,9 @@ class Context(_Owned):
             self.ptr = None
 
 
+_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])  # llama_token_data
+
+
 @dataclass(frozen=True)
 class SamplerConfig:
     temperature: float = 0.0  # 0 = greedy
@@ -586,6 +614,24 @@ class Sampler(_Owned):
         """The next token from the context's last logits."""
         ctx._live()
         return int(lib().llama_sampler_sample(self.ptr, ctx.ptr, -1))
+
+    def sample_logits(self, logits: np.ndarray) -> int:
+        """The next token from a copy of one row of logits, as ``sample`` draws it from the
+        context's: the chain applied to every token's logit, then told what it chose. For a
+        context shared by several conversations, whose output buffer holds only the last
+        decode's rows."""
+        L = lib()
+        n = len(logits)
+        cur = np.zeros(n, dtype=_TOKEN_DATA)
+        cur["id"] = np.arange(n, dtype=np.int32)
+        cur["logit"] = logits
+        arr = L.llama_token_data_array(cur.ctypes.data_as(L.llama_token_data_p), n, -1, False)
+        L.llama_sampler_apply(self.ptr, ctypes.byref(arr))
+        if not 0 <= arr.selected < n:
+            raise EdgekvError("the sampler chose no token")
+        tok = int(ctypes.cast(arr.data, L.llama_token_data_p)[arr.selected].id)
+        L.llama_sampler_accept(self.ptr, tok)
+        return tok
 
     def close(self) -> None:
         if getattr(self, "ptr", None):

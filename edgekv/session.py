@@ -26,8 +26,9 @@ import numpy as np
 from .config import DEFAULT_CHUNK, BudgetRule, ContextOptions
 from .errors import BudgetError, EdgekvError
 from .gguf_info import kv_bytes_per_token
-from .kvcache import CacheState, make_engine
+from .kvcache import CacheState, KVEngine, StateEngine, make_engine
 from .kvcache.files import load_cache_file, save_cache_file
+from .lanes import Lanes
 from .llama import Context, Model, Sampler, SamplerConfig
 from .methods import Method
 from .methods.base import Why
@@ -137,6 +138,7 @@ class Session:
         on_compress: CompressFn | None = None,
         options: ContextOptions | None = None,
         rule: BudgetRule | None = None,
+        lanes: Lanes | None = None,
     ) -> None:
         """``model``: a GGUF path, a ``Model``, or an open ``llama_cpp.Llama`` whose loaded
         weights are shared (``Model.from_llama``). The context keywords (cache types, flash
@@ -149,7 +151,10 @@ class Session:
         switches to (a method given here records what it needs by itself). ``scratch_cells``:
         cells beside the capacity for a method's own passes (KVzip's), at least what the first
         method asks; a server sizes every pooled context for the methods it serves.
-        ``on_compress`` is called after every compression."""
+        ``on_compress`` is called after every compression. ``lanes``: take a sequence of that
+        shared context instead of a context of its own; the tokens this session generates are
+        decoded in one batch with the other lanes' (``edgekv.lanes``; the state engine, and no
+        method that reads the queries or needs the log-count bias)."""
         if isinstance(model, Model):
             self.model = model
         elif isinstance(model, (str, Path)):
@@ -159,8 +164,8 @@ class Session:
         self.on_compress = on_compress
         if options is None:
             options = ContextOptions(cache_type_k, cache_type_v, flash_attn, n_threads, engine, chunk)
-        arch = self.model.arch
         if rule is None:
+            arch = self.model.arch
             rule = BudgetRule.make(method, budget=budget, ratio=ratio, params=method_params, n_ctx=n_ctx,
                                    chunk=options.chunk, n_ctx_train=arch.n_ctx_train)
         self.options = options
@@ -168,7 +173,35 @@ class Session:
         first = rule.build()
         scratch = max(first.scratch_cells, scratch_cells)
         n_batch = rule.chunk(first, options.chunk)
-        self.ctx = Context(
+        self.lanes = lanes
+        self._queued = False  # a generated token waits in the lanes' queue
+        self._lane_error: EdgekvError | None = None
+        self._check_due = False  # a batched token came in: ask the method's schedule at the next call
+        self._last_logits: np.ndarray | None = None  # a lane's own copy of its last row
+        if lanes is not None:
+            self.ctx, self.seq = self._take_lane(lanes, options, rule.capacity + scratch)
+            self.engine: KVEngine = StateEngine(self.ctx, seq=self.seq)
+        else:
+            self.seq = 0
+            self.ctx = self._own_context(rule, options, n_batch, scratch)
+            self.engine = make_engine(self.ctx, options.engine)
+        per_cell = kv_bytes_per_token(self.model.info, options.cache_type_k, options.cache_type_v)
+        self.stats = Stats(capacity=rule.capacity, kv_bytes_per_cell=per_cell, scratch_cells=scratch)
+        self.n_past = 0  # next position to decode at (pos_max + 1)
+        self._sampler: Sampler | None = None
+        self._has_logits = False
+        try:
+            if observe or tally or moments:
+                self.engine.observe(max(observe, 1), tally=tally, moments=moments)
+            self.apply(rule, first)
+        except BaseException:
+            if lanes is not None:  # refused: the lane goes back
+                lanes.give_back(self.seq)
+            raise
+
+    def _own_context(self, rule: BudgetRule, options: ContextOptions, n_batch: int, scratch: int) -> Context:
+        arch = self.model.arch
+        return Context(
             self.model,
             # iSWA models (Gemma 3): llama.cpp sizes the sliding-window cache min(n_ctx, window +
             # batch), and it must hold a whole window plus a batch however far the positions run,
@@ -180,15 +213,20 @@ class Session:
             flash_attn=options.flash_attn,
             n_threads=options.n_threads,
         )
-        self.engine = make_engine(self.ctx, options.engine)
-        per_cell = kv_bytes_per_token(self.model.info, options.cache_type_k, options.cache_type_v)
-        self.stats = Stats(capacity=rule.capacity, kv_bytes_per_cell=per_cell, scratch_cells=scratch)
-        self.n_past = 0  # next position to decode at (pos_max + 1)
-        self._sampler: Sampler | None = None
-        self._has_logits = False
-        if observe or tally or moments:
-            self.engine.observe(max(observe, 1), tally=tally, moments=moments)
-        self.apply(rule, first)
+
+    def _take_lane(self, lanes: Lanes, options: ContextOptions, cells: int) -> tuple[Context, int]:
+        """The shared context and a free sequence of it, once the session is known to fit."""
+        have = lanes.options
+        if (options.cache_type_k, options.cache_type_v) != (have.cache_type_k, have.cache_type_v):
+            raise EdgekvError(f"a session with a {options.cache_type_k}/{options.cache_type_v} cache cannot take a "
+                              f"lane of a {have.cache_type_k}/{have.cache_type_v} context")
+        if options.engine == "native":
+            raise EdgekvError("a lane runs on the state engine: the native ops act on a context of one sequence")
+        if cells > lanes.cells:
+            raise BudgetError(f"a session of {cells} cells does not fit a lane of {lanes.cells}")
+        if self.model is not lanes.model:
+            raise EdgekvError("a lane belongs to a context of another loaded model")
+        return lanes.ctx, lanes.take()
 
     def use(self, method: str | Method, *, budget: int | None = None, ratio: float | None = None,
             scheduled: bool = True, **params: object) -> None:
@@ -247,6 +285,7 @@ class Session:
 
     def reset(self) -> None:
         """Empty the sequence and its counters for a new document; the context stays allocated."""
+        self.settle()
         self.engine.reset()
         self.n_past = 0
         self._since_compress = 0
@@ -261,6 +300,7 @@ class Session:
         ``scheduled``: this is a step of the method's own schedule (its ``due``
         asked for it), which may keep more than the target. The method is told
         which of the three it is (``methods.base.Why``)."""
+        self.settle()
         before = self.engine.n_cells
         if before == 0:
             return
@@ -310,6 +350,7 @@ class Session:
     def prefill(self, tokens: list[int]) -> Iterator[tuple[int, int]]:
         """Decode tokens in chunks, compressing whenever the cache is full; yields (done,
         total) after each chunk, the unit a server interleaves conversations by."""
+        self.settle()
         total = len(tokens)
         done = 0
         while done < total:
@@ -323,16 +364,52 @@ class Session:
                 if self.engine.n_cells != before:  # the cells are in, even if recording their queries failed
                     self.n_past += n
             done += n
-            s = self.stats
-            s.tokens_seen += n
-            s.cells = self.engine.n_cells
-            s.peak_cells = max(s.peak_cells, s.cells)
-            self._has_logits = True
-            self._since_compress += n
-            if self.method.compresses and self.scheduled and self.method.due(self._since_compress, s.cells):
-                self.compress(scheduled=True)
-                s.cells = self.engine.n_cells
+            if self.lanes is not None:
+                self._last_logits = self.ctx.logits(-1)
+            self._count(n)
+            self._compress_if_due()
             yield done, total
+
+    def _count(self, n: int) -> None:
+        s = self.stats
+        s.tokens_seen += n
+        s.cells = self.engine.n_cells
+        s.peak_cells = max(s.peak_cells, s.cells)
+        self._has_logits = True
+        self._since_compress += n
+
+    def _compress_if_due(self) -> None:
+        if self.method.compresses and self.scheduled and self.method.due(self._since_compress, self.stats.cells):
+            self.compress(scheduled=True)
+            self.stats.cells = self.engine.n_cells
+
+    # -- lanes: a token generated here is decoded with the other lanes' ---------
+    def settle(self) -> None:
+        """Before anything reads or changes this lane's cache: decode the lanes' queued tokens
+        (this session's among them), then run a compression its schedule asked for."""
+        if self.lanes is None:
+            return
+        if self._lane_error is not None:
+            e, self._lane_error = self._lane_error, None
+            raise EdgekvError(f"the batched decode of this session's last token failed: {e}")
+        if self._queued:
+            self.lanes.flush()
+        if self._check_due:
+            self._check_due = False
+            self._compress_if_due()
+
+    def _lane_decoded(self, token: int, pos: int, logits: np.ndarray) -> None:
+        """``Lanes.flush`` decoded this session's queued token."""
+        self._queued = False
+        self.engine.decoded([token], pos)
+        self.n_past = pos + 1
+        self._last_logits = logits
+        self._count(1)
+        self._check_due = True
+
+    def _lane_failed(self, error: EdgekvError) -> None:
+        self._queued = False
+        self._lane_error = error
 
     def feed(self, tokens: list[int], progress: ProgressFn | None = None) -> None:
         """Decode tokens in chunks, compressing whenever the cache is full."""
@@ -353,8 +430,12 @@ class Session:
         return len(toks)
 
     def logits(self) -> np.ndarray:
+        self.settle()
         if not self._has_logits:
             raise EdgekvError("no logits: feed at least one token after the last compression")
+        if self.lanes is not None:
+            assert self._last_logits is not None
+            return self._last_logits.copy()
         return self.ctx.logits(-1)
 
     def _get_sampler(self, cfg: SamplerConfig) -> Sampler:
@@ -374,12 +455,24 @@ class Session:
     def step(self, sampler: SamplerConfig | None = None) -> int | None:
         """Sample one token and feed it back; None at end-of-generation (nothing is fed then).
         The unit a server interleaves conversations by."""
+        self.settle()
         if not self._has_logits:
             raise EdgekvError("nothing to continue from: feed a prompt first")
-        tok = self._get_sampler(sampler or SamplerConfig()).sample(self.ctx)
+        chain = self._get_sampler(sampler or SamplerConfig())
+        if self.lanes is None:
+            tok = chain.sample(self.ctx)
+        else:
+            assert self._last_logits is not None
+            tok = chain.sample_logits(self._last_logits)
         if self.model.is_eog(tok):
             return None
-        self.feed([tok])
+        if self.lanes is None:
+            self.feed([tok])
+            return tok
+        # decoded with the other lanes' tokens, when any lane next needs its cache
+        self._ensure_room(1)
+        self.lanes.queue(self, self.seq, tok, self.n_past)
+        self._queued = True
         return tok
 
     def generate_tokens(self, max_tokens: int, sampler: SamplerConfig | None = None) -> Iterator[int]:
@@ -430,12 +523,14 @@ class Session:
     # -- state ---------------------------------------------------------------
     def save(self) -> tuple[CacheState, int, int]:
         """Save the sequence (cache, position, counters) to branch or reuse a prefill."""
+        self.settle()
         return self.engine.save(), self.n_past, self.stats.tokens_seen
 
     def restore(self, saved: tuple[CacheState, int, int]) -> None:
         state, n_past, seen = saved
         if not isinstance(state, CacheState):
             raise EdgekvError("restore() takes what save() returned")
+        self.settle()
         self.engine.restore(state)
         self.n_past = n_past
         self.stats.tokens_seen = seen
@@ -445,6 +540,7 @@ class Session:
 
     def save_file(self, path: str | Path) -> None:
         """Write the sequence to a file a later session (same model and cache types) can load."""
+        self.settle()
         arch = self.model.arch
         save_cache_file(path, self.engine.save(), {
             "model": self.model.path.name, "model_size": self.model.path.stat().st_size,
@@ -473,10 +569,15 @@ class Session:
         self.restore((state, header["n_past"], header["tokens_seen"]))
 
     def close(self) -> None:
+        """Free the context, or give the lane back (its cells freed, a queued token dropped)."""
         if self._sampler is not None:
             self._sampler.close()
             self._sampler = None
-        self.ctx.close()
+        if self.lanes is None:
+            self.ctx.close()
+        elif self.seq >= 0:
+            self.lanes.give_back(self.seq)
+            self._queued, self.seq = False, -1
 
     def __enter__(self) -> Session:
         return self

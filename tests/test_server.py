@@ -48,7 +48,10 @@ def _consistent(base: str, app: App) -> dict:
     assert snap["totals"]["cells"] == sum(live.values())
     assert all(c["state"] != "busy" for c in snap["conversations"])
     assert snap["totals"]["active_requests"] == 0
-    assert len(live) + len(app.store._spare) <= app.cfg.max_live  # contexts are reused, never leaked
+    # contexts (and lanes of the shared one) are reused, never leaked
+    on_lanes = sum(c.session.lanes is not None for c in app.store.convs.values() if c.session is not None)
+    assert len(live) - on_lanes + len(app.store._spare) <= app.cfg.max_live
+    assert on_lanes + len(app.store._lane_spare) <= (app.store.lanes.n_lanes if app.store.lanes else 0)
     for conv in app.store.convs.values():
         if conv.session is not None:
             s = conv.session
@@ -170,6 +173,60 @@ def test_four_concurrent_conversations_with_different_methods(served) -> None:
             assert conv["tokens_merged"] > 0 and conv["tokens_evicted"] == 0
         else:
             assert conv["tokens_evicted"] > 0 and conv["tokens_merged"] == 0
+
+
+def _talk(base: str, method: str, rule: dict, turns: int = 3, start: threading.Barrier | None = None) -> list:
+    """A chat of ``turns`` turns with a long system prompt (each outgrows the small context):
+    (reply, edgekv payload) per turn."""
+    c = _client(base)
+    msgs = [{"role": "system", "content": "You are a helpful assistant who answers at length. " * 8}]
+    if start is not None:
+        start.wait()
+    out = []
+    for q in ("Tell me about the sea, in detail.", "Now about mountains, in detail.", "And rivers, in detail?")[:turns]:
+        msgs.append({"role": "user", "content": q})
+        r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=48, extra_body={"method": method, **rule})
+        msgs.append({"role": "assistant", "content": r.choices[0].message.content})
+        out.append((r.choices[0].message.content, r.model_extra["edgekv"]))
+    return out
+
+
+@pytest.mark.slow
+def test_batched_conversations_share_a_context_and_answer_the_same(smollm2, tmp_path, served) -> None:
+    """--batch: conversations whose methods a lane runs take sequences of one shared context,
+    their tokens decoded together; the rest keep a context of their own; every reply is the
+    one a context per conversation gives."""
+    base, app = served
+    batch_app = App(config(smollm2, tmp_path, batch=True))
+    with running(batch_app) as batch_base:
+        for method, rule in (("lagkv", {"ratio": 0.5}), ("snapkv", {"budget": 128})):
+            alone, batched = _talk(base, method, rule), _talk(batch_base, method, rule)
+            assert [t for t, _ in batched] == [t for t, _ in alone], method
+            assert batched[-1][1]["compressions"] >= 1 and batched[-1][1]["lane"] is (method == "lagkv")
+        methods = {"lagkv": {"ratio": 0.5}, "streaming_llm": {"budget": 128}, "knorm": {"budget": 96},
+                   "chelsea": {"budget": 128}}
+        results: dict[str, list] = {}
+        errors: list[BaseException] = []
+        start = threading.Barrier(len(methods))
+
+        def run(method: str, rule: dict) -> None:
+            try:
+                results[method] = _talk(batch_base, method, rule, start=start)
+            except BaseException as e:  # reported below, in the test's thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=item) for item in methods.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        snap = _consistent(batch_base, batch_app)
+        for method in methods:
+            ek = results[method][-1][1]
+            assert ek["lane"] is (method != "chelsea") and ek["compressions"] >= 1 and ek["cells"] <= 256
+        totals = snap["totals"]
+        assert totals["batched_tokens"] > totals["batched_steps"] > 0  # steps that decoded several at once
 
 
 @pytest.mark.slow

@@ -77,6 +77,11 @@ class StateEngine:
         if self._softmax_tally:  # the softmax sums add up over evaluations: start this decode's afresh
             self.ctx.capture.clear()
         self.ctx.decode(tokens, start_pos, all_logits=all_logits, seq=self.seq)
+        self.decoded(tokens, start_pos)
+
+    def decoded(self, tokens: list[int], start_pos: int) -> None:
+        """Count the cells a decode put into the sequence and record its queries: after this
+        engine's ``decode``, or a shared context's batch (``edgekv.lanes``, which records none)."""
         self._shift_pending = False
         self.tokens.n_cells += len(tokens)
         self.tokens.record(start_pos + self.tokens.pos_shift, tokens)
@@ -428,6 +433,18 @@ class StateEngine:
                                  if self.tally is not None and self.tally.complete else None),
                           moments=self.moments.copy() if self.moments is not None else None)
 
+    def _in_our_streams(self, st: layout.SeqState, blob: bytes | bytearray) -> bytes | bytearray:
+        """The blob as this context lays out its streams: llama.cpp refuses a state written
+        with another stream count (a session saved in a context of several sequences, see
+        ``edgekv.lanes``, loaded into one of its own, or back), and places the cells in the
+        stream of the sequence it loads them into."""
+        n_stream = self.ctx.n_stream
+        if all(sec.n_stream == n_stream for sec in st.sections):
+            return blob
+        for sec in st.sections:
+            sec.n_stream, sec.stream = n_stream, self.seq if n_stream > 1 else 0
+        return layout.write_seq_state(st)
+
     def restore(self, state: CacheState) -> None:
         # Validate before handing llama.cpp anything: it would replace the
         # sequence first and only then notice a mismatch.
@@ -435,9 +452,9 @@ class StateEngine:
         if st.sections[0].n_cells != state.n_cells:
             raise StateLayoutError("saved state and its token map disagree on the cell count")
         _check_positions(st.sections[0].pos, state)
-        if state.n_cells > self.ctx.n_ctx:
+        if state.n_cells > self.ctx.n_ctx_seq:
             raise StateLayoutError(
-                f"saved state holds {state.n_cells} cells, this context has {self.ctx.n_ctx}"
+                f"saved state holds {state.n_cells} cells, this context has {self.ctx.n_ctx_seq} per sequence"
             )
         if state.window is not None and state.window.layers != self.layers:
             raise StateLayoutError("saved query window does not match this model's layers")
@@ -454,7 +471,7 @@ class StateEngine:
                               "log-count bias), which only the native engine applies")
         if state.rot is not None and state.rot.shape != state.token_pos.shape:
             raise StateLayoutError("saved key rotations do not match the saved cells")
-        self.ctx.state_set(state.blob, self.seq)
+        self.ctx.state_set(self._in_our_streams(st, state.blob), self.seq)
         self._shift_pending = False
         self.tokens.set(state.token_pos, state.counts, state.rot)
         self.tokens.pos_shift = state.pos_shift

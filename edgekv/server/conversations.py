@@ -7,11 +7,15 @@ text. A request whose messages extend a known conversation's (its own reply
 included) feeds only the new suffix into that conversation's cache; a request
 that edits the past starts a new conversation.
 
-Every conversation has its own llama.cpp context (one ``Session``) on the one
-loaded model. At most ``max_live`` contexts exist; the least recently used
-idle conversation is written to a session file and its context freed, and it
-is loaded again when a request continues it. Only the worker thread mutates
-the store; ``lock`` guards what the stats endpoint reads.
+Every live conversation has a ``Session`` on the one loaded model: a llama.cpp
+context of its own, or with ``batch``, one of ``max_live`` sequences (lanes)
+of one shared context, whose generated tokens are decoded together
+(``edgekv.lanes``; methods that need the query capture, the log-count bias or
+scratch cells keep a context of their own). At most ``max_live``
+conversations are live; beyond that the least recently used idle one is
+written to a session file and its session becomes a spare, and it is loaded
+again when a request continues it. Only the worker thread mutates the store;
+``lock`` guards what the stats endpoint reads.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from pathlib import Path
 
 from ..config import BudgetRule, ContextOptions
 from ..errors import EdgekvError
+from ..lanes import Lanes
 from ..llama import Model
 from ..methods import METHODS, Method
 from ..session import Session, Stats
@@ -65,6 +70,7 @@ class ServerConfig:
     max_tokens: int = 512
     temperature: float = 0.7
     persist: bool = False  # conversations outlive the server, and a crash: recorded in state_dir at every turn
+    batch: bool = False  # conversations share one context, their tokens decoded together (edgekv.lanes)
 
     def settings(self, method: str | None, budget: int | None, ratio: float | None,
                  params: dict[str, object] | None) -> Settings:
@@ -128,6 +134,8 @@ class Store:
         self.convs: OrderedDict[str, Conversation] = OrderedDict()  # oldest use first
         self.lock = threading.Lock()
         self._spare: list[Session] = []  # contexts no conversation holds, kept for the next one
+        self._lane_spare: list[Session] = []  # with ``batch``: sequences of the shared context no one holds
+        self.lanes: Lanes | None = None  # with ``batch``: the shared context, made by ``warm``
         self._first: Session | None = None  # the first context made: what every context's engine can run
         self.default_rule = cfg.defaults.rule(cfg.n_ctx)
         self.saves = 0
@@ -194,16 +202,20 @@ class Store:
         the server's memory by 14 % over a 16-conversation load test (bench/server_load.py)."""
         if conv.live:
             return True
-        if not self._spare:
+        lane = self.lanes is not None and self.lanes.accepts(conv.method)
+        pool = self._lane_spare if lane else self._spare
+        if not pool:
             live = [c for c in self.convs.values() if c.live]
-            if len(live) < self.cfg.max_live:
-                self._spare.append(self._new_session())
-            else:
+            if len(live) >= self.cfg.max_live:
                 idle = [c for c in live if not c.busy]
                 if not idle:
                     return False
-                self.save(idle[0])  # the least recently used
-        sess = self._spare[-1]
+                # the least recently used, of the kind this conversation needs where one is idle
+                same = [c for c in idle if c.session is not None and (c.session.lanes is not None) == lane]
+                self.save((same or idle)[0])
+            if not pool:
+                pool.append(self._new_session(lane))
+        sess = pool[-1]
         sess.reset()
         sess.apply(conv.rule, conv.method)  # one-line errors, and the spare stays spare
         if conv.file is not None:
@@ -212,7 +224,7 @@ class Store:
                 conv.stats.cells = sess.engine.n_cells
                 sess.stats = conv.stats
             self.resumes += 1
-        self._spare.pop()
+        pool.pop()
         conv.merges = "merge" in sess.method.needs
         with self.lock:
             conv.session, conv.stats = sess, None
@@ -224,6 +236,11 @@ class Store:
         if not self._spare:
             self._spare.append(self._new_session())
         self._spare[-1].apply(self.default_rule)
+        if self.cfg.batch and self.lanes is None:
+            if self.cfg.options.engine == "native":
+                raise EdgekvError("--batch decodes conversations on the state engine (the native ops act on a "
+                                  "context of one sequence): leave --engine at auto or state")
+            self.lanes = Lanes(self.cfg.model, self.cfg.max_live, self.cfg.n_ctx, self.cfg.options)
 
     def check_method(self, method: Method) -> None:
         """The one-line error for a method the server's engine cannot run (every context has
@@ -238,15 +255,21 @@ class Store:
                 f"own passes, and this server's contexts have {have}: start the server with --method "
                 f"{method.name} (with these parameters) to size them for it")
 
-    def _new_session(self) -> Session:
-        """A context for any conversation: made with no method, so its batch is the server's
-        whole chunk; ``apply`` gives it each conversation's rule and method in turn."""
+    def _new_session(self, lane: bool = False) -> Session:
+        """A context (or a lane of the shared one) for any conversation: made with no method,
+        so its batch is the server's whole chunk; ``apply`` gives it each conversation's rule
+        and method in turn."""
         cfg = self.cfg
-        sess = Session(cfg.model, options=cfg.options, rule=BudgetRule("full", capacity=cfg.n_ctx),
-                       scratch_cells=self.default_rule.build().scratch_cells)
+        rule = BudgetRule("full", capacity=cfg.n_ctx)
+        if lane:
+            return Session(cfg.model, options=cfg.options, rule=rule, lanes=self.lanes)
+        sess = Session(cfg.model, options=cfg.options, rule=rule, scratch_cells=self.default_rule.build().scratch_cells)
         if self._first is None:
             self._first = sess
         return sess
+
+    def _spare_again(self, sess: Session) -> None:
+        (self._lane_spare if sess.lanes is not None else self._spare).append(sess)
 
     def save(self, conv: Conversation) -> None:
         """Write a live conversation to its session file; its context becomes a spare. With
@@ -260,7 +283,7 @@ class Store:
             conv.file, conv.stats = path, conv.session.stats
             sess, conv.session = conv.session, None
         conv.file_current = True
-        self._spare.append(sess)
+        self._spare_again(sess)
         self.saves += 1
         if self.cfg.persist and conv.requests:
             self.commit(conv)
@@ -284,7 +307,7 @@ class Store:
             self.convs.pop(conv.id, None)
             sess, conv.session = conv.session, None
         if sess is not None:
-            self._spare.append(sess)
+            self._spare_again(sess)
         if self.cfg.persist:
             journal.remove(self.cfg.state_dir, conv.id)  # its record, then its cache file
         elif conv.file is not None:
@@ -318,9 +341,13 @@ class Store:
         else:
             for conv in list(self.convs.values()):
                 self.drop(conv)
-        for sess in self._spare:
+        for sess in self._spare + self._lane_spare:
             sess.close()
         self._spare.clear()
+        self._lane_spare.clear()
+        if self.lanes is not None:
+            self.lanes.close()
+            self.lanes = None
 
     # -- persistence ---------------------------------------------------------------
     def _shape(self) -> dict[str, object]:
@@ -368,6 +395,7 @@ class Store:
             "prefill": list(conv.prefill) if conv.prefill else None,
             "requests": conv.requests, "last_used": conv.last_used,
             "engine": conv.session.engine.name if conv.session is not None else None,
+            "lane": conv.session is not None and conv.session.lanes is not None,
         }
 
     def snapshot(self) -> dict[str, object]:
@@ -388,6 +416,8 @@ class Store:
                 "kv_bytes_allocated": sum(int(c["kv_bytes_allocated"]) for c in live),
                 "saves": self.saves, "resumes": self.resumes,
                 "created": self.created, "abandoned": self.abandoned, "forgotten": self.forgotten,
+                "batched_steps": self.lanes.steps if self.lanes is not None else 0,
+                "batched_tokens": self.lanes.tokens if self.lanes is not None else 0,
             },
         }
 

@@ -119,6 +119,7 @@ def run_turn(store: Store, turn: Turn) -> Iterator[TurnEvent]:
         reply = Reply()
         for piece in sess.stream(turn.max_tokens, turn.sampler, stop=turn.stop, reply=reply, until_full=True):
             yield ("delta", piece) if piece else None
+        sess.settle()  # a lane's last token, decoded with the other lanes': the cache holds the whole reply
         done = _account(store, conv, turn, reply, before, len(tokens), continued)
         done["edgekv"]["rebuilt"] = rebuilt  # its cache was lost (a crash): this turn prefilled it all again
         conv.file_current = conv.rebuild = False  # the cache moved on from any file
