@@ -50,6 +50,7 @@ def test_sample_logits_draws_what_sample_draws(smollm2) -> None:
         ctx.close()
 
 
+@pytest.mark.kernels  # a batch of several rows against one row at a time
 def test_lanes_end_where_contexts_of_their_own_end(smollm2) -> None:
     lanes = Lanes(smollm2, len(RULES), CELLS, OPTS)
     prompts = _prompts(smollm2, len(RULES))
