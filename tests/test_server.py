@@ -60,6 +60,55 @@ def _consistent(base: str, app: App) -> dict:
     return snap
 
 
+def _talk(base: str, method: str, rule: dict, *, turns: int = 3, max_tokens: int = 48, stream: bool = False,
+          start: threading.Barrier | None = None) -> list:
+    """A chat of ``turns`` turns with a long system prompt (each outgrows the small context):
+    (reply, edgekv payload) per turn."""
+    c = _client(base)
+    msgs = [{"role": "system", "content": "You are a helpful assistant who answers at length. " * 8}]
+    if start is not None:
+        start.wait()
+    out = []
+    for q in ("Tell me about the sea, in detail.", "Now about mountains, in detail.", "And rivers, in detail?")[:turns]:
+        msgs.append({"role": "user", "content": q})
+        kw = {"model": MODEL, "messages": msgs, "max_tokens": max_tokens, "extra_body": {"method": method, **rule}}
+        if stream:
+            pieces, ek = [], None
+            for ch in c.chat.completions.create(stream=True, **kw):
+                if ch.choices and ch.choices[0].delta.content:
+                    pieces.append(ch.choices[0].delta.content)
+                if ch.model_extra.get("edgekv"):
+                    ek = ch.model_extra["edgekv"]
+            text = "".join(pieces)
+        else:
+            r = c.chat.completions.create(**kw)
+            text, ek = r.choices[0].message.content, r.model_extra["edgekv"]
+        msgs.append({"role": "assistant", "content": text})
+        out.append((text, ek))
+    return out
+
+
+def _concurrently(base: str, methods: dict[str, dict], **kw) -> dict[str, list]:
+    """One ``_talk`` per method, all at once (started together): each one's turns."""
+    results: dict[str, list] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(methods))
+
+    def run(method: str, rule: dict) -> None:
+        try:
+            results[method] = _talk(base, method, rule, start=start, **kw)
+        except BaseException as e:  # reported below, in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=item) for item in methods.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return results
+
+
 @pytest.fixture(scope="module")
 def served(smollm2, tmp_path_factory):
     app = App(config(smollm2, tmp_path_factory.mktemp("conversations")))
@@ -129,36 +178,7 @@ def test_four_concurrent_conversations_with_different_methods(served) -> None:
     base, app = served
     methods = {"knorm": {"budget": 96}, "streaming_llm": {"budget": 128}, "lagkv": {"ratio": 0.5},
                "chelsea": {"budget": 128}}
-    results: dict[str, list] = {}
-    errors: list[BaseException] = []
-    start = threading.Barrier(len(methods))
-
-    def talk(method: str, rule: dict) -> None:
-        try:
-            c = _client(base)
-            msgs = [{"role": "system", "content": "You are a helpful assistant who answers at length. " * 8}]
-            start.wait()
-            for q in ("Tell me about the sea, in detail.", "Now about mountains, in detail.",
-                      "And rivers, in detail?"):
-                msgs.append({"role": "user", "content": q})
-                pieces, ek = [], None
-                for ch in c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=64, stream=True,
-                                                    extra_body={"method": method, **rule}):
-                    if ch.choices and ch.choices[0].delta.content:
-                        pieces.append(ch.choices[0].delta.content)
-                    if ch.model_extra.get("edgekv"):
-                        ek = ch.model_extra["edgekv"]
-                msgs.append({"role": "assistant", "content": "".join(pieces)})
-                results.setdefault(method, []).append(("".join(pieces), ek))
-        except BaseException as e:  # reported below, in the test's thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=talk, args=item) for item in methods.items()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    results = _concurrently(base, methods, max_tokens=64, stream=True)
     snap = _consistent(base, app)
     for method, rule in methods.items():
         turns = results[method]
@@ -175,22 +195,6 @@ def test_four_concurrent_conversations_with_different_methods(served) -> None:
             assert conv["tokens_evicted"] > 0 and conv["tokens_merged"] == 0
 
 
-def _talk(base: str, method: str, rule: dict, turns: int = 3, start: threading.Barrier | None = None) -> list:
-    """A chat of ``turns`` turns with a long system prompt (each outgrows the small context):
-    (reply, edgekv payload) per turn."""
-    c = _client(base)
-    msgs = [{"role": "system", "content": "You are a helpful assistant who answers at length. " * 8}]
-    if start is not None:
-        start.wait()
-    out = []
-    for q in ("Tell me about the sea, in detail.", "Now about mountains, in detail.", "And rivers, in detail?")[:turns]:
-        msgs.append({"role": "user", "content": q})
-        r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=48, extra_body={"method": method, **rule})
-        msgs.append({"role": "assistant", "content": r.choices[0].message.content})
-        out.append((r.choices[0].message.content, r.model_extra["edgekv"]))
-    return out
-
-
 @pytest.mark.slow
 def test_batched_conversations_share_a_context_and_answer_the_same(smollm2, tmp_path, served) -> None:
     """--batch: conversations whose methods a lane runs take sequences of one shared context,
@@ -205,22 +209,7 @@ def test_batched_conversations_share_a_context_and_answer_the_same(smollm2, tmp_
             assert batched[-1][1]["compressions"] >= 1 and batched[-1][1]["lane"] is (method == "lagkv")
         methods = {"lagkv": {"ratio": 0.5}, "streaming_llm": {"budget": 128}, "knorm": {"budget": 96},
                    "chelsea": {"budget": 128}}
-        results: dict[str, list] = {}
-        errors: list[BaseException] = []
-        start = threading.Barrier(len(methods))
-
-        def run(method: str, rule: dict) -> None:
-            try:
-                results[method] = _talk(batch_base, method, rule, start=start)
-            except BaseException as e:  # reported below, in the test's thread
-                errors.append(e)
-
-        threads = [threading.Thread(target=run, args=item) for item in methods.items()]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors, errors
+        results = _concurrently(batch_base, methods)
         snap = _consistent(batch_base, batch_app)
         for method in methods:
             ek = results[method][-1][1]
