@@ -53,6 +53,7 @@ class Capture:
             raise EdgekvError(f"cannot create a tensor capture for {n_layer} layers")
         self._c = self._ffi.gc(ptr, self._lib.edgekv_capture_free)
         self.n_layer = n_layer
+        self._wanted: dict[tuple[str, int], int] = {}  # (name, layer) -> how many ask for it
 
     # what llama_context_params takes
     def callback_address(self) -> int:
@@ -62,8 +63,19 @@ class Capture:
         return ctypes.c_void_p(int(self._ffi.cast("uintptr_t", self._c)))
 
     def want(self, name: str, layers: range | list[int] | None = None, on: bool = True) -> None:
+        """Ask for a tensor (``on``), or take one's asking back. Asks are counted, so that
+        several sequences of one context (``edgekv.lanes``) each ask and each take theirs
+        back: a tensor is captured while anyone still wants it."""
         for il in range(self.n_layer) if layers is None else layers:
+            key = (name, il)
+            n = self._wanted.get(key, 0)
+            if not on and n == 0:
+                continue
+            self._wanted[key] = n + 1 if on else n - 1
+            if (on and n > 0) or (not on and n > 1):
+                continue
             if self._lib.edgekv_capture_want(self._c, name.encode(), il, on) != 0:
+                self._wanted[key] = n
                 raise EdgekvError(f"cannot capture {name!r} of layer {il} (at most 4 names, "
                                   f"layers 0..{self.n_layer - 1}, each captured one way)")
 

@@ -410,7 +410,7 @@ def serve(
     temperature: Annotated[float, typer.Option(help="Default temperature when a request gives none (0 = greedy).")] = 0.7,
     state_dir: Annotated[Path | None, typer.Option(help="Keep conversations here, across restarts and crashes: every completed turn is recorded before its reply ends, and the next server on this directory resumes each conversation (from its saved cache, or rebuilt from its messages). Default: a new directory under ~/.cache/edgekv/server, removed at exit.")] = None,
     model_name: Annotated[str | None, typer.Option(help="The model id clients send (default: the registry name or the file name without .gguf).")] = None,
-    batch: Annotated[bool, typer.Option("--batch/--no-batch", help="Hold the live conversations in one context of --max-live sequences and decode their tokens together, one llama_decode per step (state engine; methods that read the queries or need the log-count bias keep a context of their own).")] = False,
+    batch: Annotated[bool, typer.Option("--batch/--no-batch", help="Hold the live conversations in one context of --max-live sequences and decode their tokens together, one llama_decode per step (state engine; h2o, chelsea and kvzip keep a context of their own).")] = False,
 ) -> None:
     """OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models,
     /v1/edgekv/stats and a web page at /. Every conversation keeps its own compressed cache.

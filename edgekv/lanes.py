@@ -16,11 +16,14 @@ Each lane keeps a copy of its own logits, since the shared output buffer holds
 only the last decode's rows.
 
 What a lane runs on is llama.cpp's per-sequence state API, which works per
-stream: the portable state engine. edgekv's native ops, the log-count bias and
-the tensor capture act on a whole single-stream context, so methods that need
-them (the query capture: snapkv, chunkkv, h2o, compresskv, protokv,
-expected_attention, kvzip; the bias: chelsea) are refused on a lane with their
-one-line error and run in a context of their own (the server does that).
+stream: the portable state engine. The tensor capture records a batch's
+queries row by row, and each lane takes its own rows, so the attention methods
+run on lanes too. What does not: H2O's tally (the capture sums the softmax
+over a whole batch, every lane's queries together), the log-count bias of
+``chelsea`` (one tensor per layer for a context of one sequence), KVzip's
+repeat pass (scratch cells beside the sequence) and edgekv's native ops (a
+context of one sequence). ``Lanes.refusal`` says which and why; the server
+gives those conversations a context of their own.
 """
 
 from __future__ import annotations
@@ -47,10 +50,9 @@ class Lanes:
         options = options or ContextOptions()
         self.model = model
         self.options = options
-        # no tensor capture: its records would mix the lanes' queries (see the module's docstring)
         self.ctx = Context(model, n_ctx=cells * n_lanes, n_seq_max=n_lanes, n_batch=n_batch or options.chunk,
                            cache_type_k=options.cache_type_k, cache_type_v=options.cache_type_v,
-                           flash_attn=options.flash_attn, n_threads=options.n_threads, capture=False)
+                           flash_attn=options.flash_attn, n_threads=options.n_threads)
         self.cells = self.ctx.n_ctx_seq
         if self.cells < cells:
             self.ctx.close()
@@ -59,14 +61,28 @@ class Lanes:
         self.n_lanes = n_lanes
         self._free = list(range(n_lanes - 1, -1, -1))
         self._queue: dict[int, tuple[Session, int, int]] = {}  # seq -> (session, token, position)
-        self.steps = 0  # batched decodes so far
+        self.steps = 0  # flushes of the queue so far
+        self.decodes = 0  # llama_decode calls they made (one per run of consecutive lanes)
         self.tokens = 0  # tokens they decoded
 
     @staticmethod
-    def accepts(method: Method) -> bool:
-        """Whether a lane runs ``method``: the state engine without the tensor capture merges
-        (numpy over the state blob) but records no queries, and has no scratch cells."""
-        return method.needs <= {"merge"} and method.scratch_cells == 0
+    def refusal(method: Method) -> str | None:
+        """Why a lane cannot run ``method``, or None when it can (the state engine's own
+        limits, such as a build without the tensor capture, are the Session's to say)."""
+        if "bias" in method.needs:
+            return ("its merged cells need the log-count bias, one tensor per layer for a context of one "
+                    "sequence")
+        if method.tallies:
+            return "its tally sums llama.cpp's softmax over a whole batch, every lane's queries together"
+        if method.scratch_cells:
+            return f"its own passes need {method.scratch_cells} scratch cells beside the sequence"
+        return None
+
+    def accepts(self, method: Method) -> bool:
+        """Whether a session on these lanes can run ``method``."""
+        if self.refusal(method) is not None:
+            return False
+        return "queries" not in method.needs or self.ctx.capture is not None
 
     @property
     def free(self) -> int:
@@ -94,22 +110,42 @@ class Lanes:
         return seq in self._queue
 
     def flush(self) -> None:
-        """Decode every queued token in one ``llama_decode`` and hand each session its logits.
-        If the decode fails, every queued session is told so, and nothing is in its cache."""
+        """Decode every queued token and hand each session its logits and queries.
+
+        llama.cpp evaluates a batch of several streams as one ubatch only while their
+        sequence ids are consecutive (its ``split_equal`` for a non-unified cache), and the
+        tensor capture keeps a decode's last ubatch. So each run of consecutive lanes is one
+        ``llama_decode``: all of them when every lane generates. A failed decode is told to
+        every session it and the later runs held, and nothing of theirs is in the cache."""
         if not self._queue:
             return
         items = sorted(self._queue.items())
         self._queue.clear()
-        try:
-            self.ctx.decode_each([(tok, pos, seq) for seq, (_, tok, pos) in items])
-        except EdgekvError as e:
-            for _, (sess, _tok, _pos) in items:
-                sess._lane_failed(e)
-            raise
+        runs: list[list[tuple[int, tuple[Session, int, int]]]] = []
+        for item in items:
+            if runs and item[0] == runs[-1][-1][0] + 1:
+                runs[-1].append(item)
+            else:
+                runs.append([item])
         self.steps += 1
-        self.tokens += len(items)
-        for i, (_, (sess, tok, pos)) in enumerate(items):
-            sess._lane_decoded(tok, pos, self.ctx.logits(i))
+        failed: Exception | None = None
+        for k, run in enumerate(runs):
+            try:
+                self.ctx.decode_each([(tok, pos, seq) for seq, (_, tok, pos) in run])
+            except EdgekvError as e:
+                for later in runs[k:]:
+                    for _, (sess, _tok, _pos) in later:
+                        sess._lane_failed(e)
+                raise
+            self.decodes += 1
+            self.tokens += len(run)
+            for i, (_, (sess, tok, pos)) in enumerate(run):
+                try:  # every lane takes its token, logits and queries, whatever another's recording did
+                    sess._lane_decoded(tok, pos, self.ctx.logits(i), i, len(run))
+                except Exception as e:
+                    failed = failed or e
+        if failed is not None:
+            raise failed
 
     def close(self) -> None:
         self._queue.clear()

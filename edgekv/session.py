@@ -153,8 +153,8 @@ class Session:
         method asks; a server sizes every pooled context for the methods it serves.
         ``on_compress`` is called after every compression. ``lanes``: take a sequence of that
         shared context instead of a context of its own; the tokens this session generates are
-        decoded in one batch with the other lanes' (``edgekv.lanes``; the state engine, and no
-        method that reads the queries or needs the log-count bias)."""
+        decoded in one batch with the other lanes' (``edgekv.lanes``: the state engine, and
+        every method but those ``Lanes.refusal`` names)."""
         if isinstance(model, Model):
             self.model = model
         elif isinstance(model, (str, Path)):
@@ -179,7 +179,7 @@ class Session:
         self._check_due = False  # a batched token came in: ask the method's schedule at the next call
         self._last_logits: np.ndarray | None = None  # a lane's own copy of its last row
         if lanes is not None:
-            self.ctx, self.seq = self._take_lane(lanes, options, rule.capacity + scratch)
+            self.ctx, self.seq = self._take_lane(lanes, options, first, rule.capacity + scratch)
             self.engine: KVEngine = StateEngine(self.ctx, seq=self.seq)
         else:
             self.seq = 0
@@ -214,8 +214,9 @@ class Session:
             n_threads=options.n_threads,
         )
 
-    def _take_lane(self, lanes: Lanes, options: ContextOptions, cells: int) -> tuple[Context, int]:
+    def _take_lane(self, lanes: Lanes, options: ContextOptions, first: Method, cells: int) -> tuple[Context, int]:
         """The shared context and a free sequence of it, once the session is known to fit."""
+        self._refuse_on_lanes(lanes, first)
         have = lanes.options
         if (options.cache_type_k, options.cache_type_v) != (have.cache_type_k, have.cache_type_v):
             raise EdgekvError(f"a session with a {options.cache_type_k}/{options.cache_type_v} cache cannot take a "
@@ -273,6 +274,8 @@ class Session:
 
     def check_method(self, method: Method) -> None:
         """The one-line error for a method this session's engine cannot run."""
+        if self.lanes is not None:
+            self._refuse_on_lanes(self.lanes, method)
         missing = method.needs - self.engine.capabilities
         if "queries" in missing:
             raise EdgekvError(f"method {method.name!r} reads the queries, which need edgekv's tensor capture "
@@ -282,6 +285,11 @@ class Session:
                 f"method {method.name!r} needs {', '.join(sorted(missing))}, which the {self.engine.name} engine "
                 "lacks (the native engine has it: a patched libllama and a model without sliding-window layers)"
             )
+
+    @staticmethod
+    def _refuse_on_lanes(lanes: Lanes, method: Method) -> None:
+        if why := lanes.refusal(method):
+            raise EdgekvError(f"method {method.name!r} cannot run on a lane of a shared context: {why}")
 
     def reset(self) -> None:
         """Empty the sequence and its counters for a new document; the context stays allocated."""
@@ -398,14 +406,16 @@ class Session:
             self._check_due = False
             self._compress_if_due()
 
-    def _lane_decoded(self, token: int, pos: int, logits: np.ndarray) -> None:
-        """``Lanes.flush`` decoded this session's queued token."""
+    def _lane_decoded(self, token: int, pos: int, logits: np.ndarray, row: int, batch: int) -> None:
+        """``Lanes.flush`` decoded this session's queued token, the ``row``-th of ``batch``."""
         self._queued = False
-        self.engine.decoded([token], pos)
         self.n_past = pos + 1
         self._last_logits = logits
-        self._count(1)
         self._check_due = True
+        try:
+            self.engine.decoded([token], pos, first=row, batch=batch)
+        finally:  # the cell is in, even if recording its queries failed
+            self._count(1)
 
     def _lane_failed(self, error: EdgekvError) -> None:
         self._queued = False
@@ -576,6 +586,7 @@ class Session:
         if self.lanes is None:
             self.ctx.close()
         elif self.seq >= 0:
+            self.engine.observe(0)  # its asks of the shared tensor capture go back too
             self.lanes.give_back(self.seq)
             self._queued, self.seq = False, -1
 

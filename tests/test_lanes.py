@@ -18,9 +18,12 @@ from edgekv.session import Session
 
 OPTS = ContextOptions(n_threads=2, engine="state", chunk=128)
 CELLS = 320
-# one per lane: evicting, position-shifting and merging methods, each outgrowing its lane
+# one per lane: evicting, position-shifting, merging and attention-scored methods (the last
+# two read the queries the batch recorded: the window, and the statistics before RoPE), each
+# outgrowing its lane
 RULES = [("streaming_llm", {"budget": 200}), ("lagkv", {"budget": 200, "method_params": {"L": 32}}),
-         ("context_shift", {}), ("chelsea_nobias", {"budget": 200})]
+         ("context_shift", {}), ("chelsea_nobias", {"budget": 200}), ("snapkv", {"budget": 200}),
+         ("expected_attention", {"budget": 200})]
 GENERATED = 100
 
 
@@ -28,7 +31,7 @@ def _prompts(model, n: int) -> list[list[int]]:
     text = ("The harbour town woke before dawn. Fishermen mended nets while the baker lit his ovens, "
             "and the lighthouse keeper climbed the stairs one last time before the morning shift. ")
     toks = model.tokenize(text * 20, add_special=False)
-    return [toks[i * 37 : i * 37 + 240] for i in range(n)]
+    return [toks[i * 37 : i * 37 + 300] for i in range(n)]
 
 
 def test_sample_logits_draws_what_sample_draws(smollm2) -> None:
@@ -120,11 +123,11 @@ def test_a_lane_file_loads_into_a_context_of_its_own_and_back(smollm2, tmp_path)
 def test_what_a_lane_refuses(smollm2) -> None:
     lanes = Lanes(smollm2, 1, CELLS, OPTS)
     try:
-        with pytest.raises(EdgekvError, match="reads the queries") as e:
-            Session(smollm2, method="snapkv", budget=160, n_ctx=CELLS, options=OPTS, lanes=lanes)
-        assert "\n" not in str(e.value)
-        with pytest.raises(EdgekvError, match="needs bias"):
-            Session(smollm2, method="chelsea", budget=160, n_ctx=CELLS, options=OPTS, lanes=lanes)
+        for method, why in (("h2o", "sums llama.cpp's softmax over a whole batch"), ("chelsea", "log-count bias"),
+                            ("kvzip", "scratch cells")):
+            with pytest.raises(EdgekvError, match=f"cannot run on a lane.*{why}") as e:
+                Session(smollm2, method=method, budget=160, n_ctx=CELLS, options=OPTS, lanes=lanes)
+            assert "\n" not in str(e.value)
         with pytest.raises(BudgetError, match="does not fit a lane"):
             Session(smollm2, n_ctx=CELLS * 2, options=OPTS, lanes=lanes)
         with pytest.raises(EdgekvError, match="cannot take a lane"):
@@ -136,6 +139,6 @@ def test_what_a_lane_refuses(smollm2) -> None:
         with pytest.raises(EdgekvError, match="all 1 lanes"):
             Session(smollm2, n_ctx=CELLS, options=OPTS, lanes=lanes)
         held.close()
-        assert Lanes.accepts(held.method) and not Lanes.accepts(held.rule.but("snapkv").build())
+        assert lanes.accepts(held.rule.but("snapkv").build()) and not lanes.accepts(held.rule.but("h2o").build())
     finally:
         lanes.close()

@@ -72,21 +72,26 @@ class QueryWindow:
     def pos(self) -> np.ndarray:
         return self._pos[self._order()]
 
-    def record(self, capture: Capture, start_pos: int, n_tokens: int, *, want_all: bool = False) -> np.ndarray | None:
+    def record(self, capture: Capture, start_pos: int, n_tokens: int, *, want_all: bool = False,
+               first: int = 0, batch: int | None = None) -> np.ndarray | None:
         """Append what the last decode (``n_tokens`` at ``start_pos``..) computed; with
-        ``want_all``, also return all of its queries, [rows, n_head, n_tokens, d]."""
+        ``want_all``, also return all of its queries, [rows, n_head, n_tokens, d]. A decode
+        of several sequences' tokens (``batch`` of them, ``edgekv.lanes``) holds this one's
+        from token ``first`` on."""
+        batch = n_tokens if batch is None else batch
         keep = min(n_tokens, self.size)
         slots = (self._next + np.arange(keep)) % self.size
         every = np.empty((len(self.layers), self.n_head, n_tokens, self._q.shape[3]), np.float32) if want_all else None
         for row, il in enumerate(self.layers):
             t = capture.get("Qcur", il)
-            if t is None or t.shape[1] != n_tokens:
+            if t is None or t.shape[1] != batch:
                 raise EdgekvError(f"the query capture missed layer {il} of the last decode "
-                                  f"({'nothing' if t is None else t.shape[1]} of {n_tokens} tokens)")
-            # [1, n_tokens, n_head, d] -> the newest ``keep`` as [n_head, keep, d]
-            self._q[row][:, slots] = t[0, n_tokens - keep:].transpose(1, 0, 2)
+                                  f"({'nothing' if t is None else t.shape[1]} of {batch} tokens)")
+            mine = t[0, first : first + n_tokens]  # [n_tokens, n_head, d]
+            # the newest ``keep`` as [n_head, keep, d]
+            self._q[row][:, slots] = mine[n_tokens - keep:].transpose(1, 0, 2)
             if every is not None:
-                every[row] = t[0].transpose(1, 0, 2)
+                every[row] = mine.transpose(1, 0, 2)
         self._pos[slots] = np.arange(start_pos + n_tokens - keep, start_pos + n_tokens, dtype=np.int32)
         self._next = int((self._next + keep) % self.size)
         self._count = min(self.size, self._count + keep)

@@ -79,9 +79,10 @@ class StateEngine:
         self.ctx.decode(tokens, start_pos, all_logits=all_logits, seq=self.seq)
         self.decoded(tokens, start_pos)
 
-    def decoded(self, tokens: list[int], start_pos: int) -> None:
+    def decoded(self, tokens: list[int], start_pos: int, *, first: int = 0, batch: int | None = None) -> None:
         """Count the cells a decode put into the sequence and record its queries: after this
-        engine's ``decode``, or a shared context's batch (``edgekv.lanes``, which records none)."""
+        engine's ``decode``, or a decode of several sequences' tokens (``edgekv.lanes``: a
+        ``batch`` of them, this sequence's from token ``first`` on)."""
         self._shift_pending = False
         self.tokens.n_cells += len(tokens)
         self.tokens.record(start_pos + self.tokens.pos_shift, tokens)
@@ -89,7 +90,7 @@ class StateEngine:
             return
         try:
             every = (self.tally is not None and not self._softmax_tally) or self.moments is not None
-            q = self.window.record(self.ctx.capture, start_pos, len(tokens), want_all=every)
+            q = self.window.record(self.ctx.capture, start_pos, len(tokens), want_all=every, first=first, batch=batch)
             at = np.arange(start_pos, start_pos + len(tokens), dtype=np.int32)
             if self.tally is not None and self._softmax_tally:
                 self.tally.add_cells(*self._softmax_attention())

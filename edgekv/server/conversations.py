@@ -10,8 +10,8 @@ that edits the past starts a new conversation.
 Every live conversation has a ``Session`` on the one loaded model: a llama.cpp
 context of its own, or with ``batch``, one of ``max_live`` sequences (lanes)
 of one shared context, whose generated tokens are decoded together
-(``edgekv.lanes``; methods that need the query capture, the log-count bias or
-scratch cells keep a context of their own). At most ``max_live``
+(``edgekv.lanes``; the methods a lane cannot run, ``Lanes.refusal``, keep a
+context of their own). At most ``max_live``
 conversations are live; beyond that the least recently used idle one is
 written to a session file and its session becomes a spare, and it is loaded
 again when a request continues it. Only the worker thread mutates the store;
