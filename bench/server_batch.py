@@ -16,7 +16,7 @@ contexts of their own, the state engine for lanes).
     .venv/bin/edgekv bench run server_batch --conversations 4 --cells 1280 --prefill 512
     .venv/bin/edgekv bench run server_batch --conversations 4 --cells 544 --budget 448 --prefill 512 \
         --method knorm --out server_batch_knorm
-write bench/results/server_batch.json and server_batch_knorm.json.
+write bench/results/server_batch.json and server_batch_knorm.json (and so on for lagkv, snapkv).
 """
 
 from __future__ import annotations
