@@ -50,7 +50,11 @@ class Lanes:
         options = options or ContextOptions()
         self.model = model
         self.options = options
-        self.ctx = Context(model, n_ctx=cells * n_lanes, n_seq_max=n_lanes, n_batch=n_batch or options.chunk,
+        n_batch = n_batch or options.chunk
+        arch = model.arch
+        # iSWA models (Gemma 3): a stream's sliding-window cache must hold a window plus a batch
+        per = max(cells, arch.n_swa + n_batch) if arch.n_swa else cells
+        self.ctx = Context(model, n_ctx=per * n_lanes, n_seq_max=n_lanes, n_batch=n_batch,
                            cache_type_k=options.cache_type_k, cache_type_v=options.cache_type_v,
                            flash_attn=options.flash_attn, n_threads=options.n_threads)
         self.cells = self.ctx.n_ctx_seq
@@ -115,20 +119,21 @@ class Lanes:
         llama.cpp evaluates a batch of several streams as one ubatch only while their
         sequence ids are consecutive (its ``split_equal`` for a non-unified cache), and the
         tensor capture keeps a decode's last ubatch. So each run of consecutive lanes is one
-        ``llama_decode``: all of them when every lane generates. A failed decode is told to
-        every session it and the later runs held, and nothing of theirs is in the cache."""
+        ``llama_decode``: all of them when every lane generates. What goes wrong goes to the
+        session it concerns, which raises it at its next call (``Session.settle``): a failed
+        decode to every session of that run and the later ones (nothing of theirs is in the
+        cache), a failed recording of queries to that lane alone."""
         if not self._queue:
             return
         items = sorted(self._queue.items())
         self._queue.clear()
         runs: list[list[tuple[int, tuple[Session, int, int]]]] = []
         for item in items:
-            if runs and item[0] == runs[-1][-1][0] + 1:
+            if runs and item[0] == runs[-1][-1][0] + 1 and len(runs[-1]) < self.ctx.n_batch:
                 runs[-1].append(item)
             else:
                 runs.append([item])
         self.steps += 1
-        failed: Exception | None = None
         for k, run in enumerate(runs):
             try:
                 self.ctx.decode_each([(tok, pos, seq) for seq, (_, tok, pos) in run])
@@ -136,16 +141,18 @@ class Lanes:
                 for later in runs[k:]:
                     for _, (sess, _tok, _pos) in later:
                         sess._lane_failed(e)
-                raise
+                return
             self.decodes += 1
             self.tokens += len(run)
             for i, (_, (sess, tok, pos)) in enumerate(run):
-                try:  # every lane takes its token, logits and queries, whatever another's recording did
+                try:
                     sess._lane_decoded(tok, pos, self.ctx.logits(i), i, len(run))
-                except Exception as e:
-                    failed = failed or e
-        if failed is not None:
-            raise failed
+                except EdgekvError as e:
+                    sess._lane_failed(e)
+
+    def unqueue(self, seq: int) -> None:
+        """Forget a token ``seq`` queued (its conversation is dropped, its cache emptied next)."""
+        self._queue.pop(seq, None)
 
     def close(self) -> None:
         self._queue.clear()

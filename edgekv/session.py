@@ -179,7 +179,7 @@ class Session:
         self._check_due = False  # a batched token came in: ask the method's schedule at the next call
         self._last_logits: np.ndarray | None = None  # a lane's own copy of its last row
         if lanes is not None:
-            self.ctx, self.seq = self._take_lane(lanes, options, first, rule.capacity + scratch)
+            self.ctx, self.seq = self._take_lane(lanes, options, first, rule.capacity + scratch, tally)
             self.engine: KVEngine = StateEngine(self.ctx, seq=self.seq)
         else:
             self.seq = 0
@@ -195,7 +195,8 @@ class Session:
                 self.engine.observe(max(observe, 1), tally=tally, moments=moments)
             self.apply(rule, first)
         except BaseException:
-            if lanes is not None:  # refused: the lane goes back
+            if lanes is not None:  # refused: the lane goes back, and its asks of the capture
+                self.engine.observe(0)
                 lanes.give_back(self.seq)
             raise
 
@@ -214,9 +215,12 @@ class Session:
             n_threads=options.n_threads,
         )
 
-    def _take_lane(self, lanes: Lanes, options: ContextOptions, first: Method, cells: int) -> tuple[Context, int]:
+    def _take_lane(self, lanes: Lanes, options: ContextOptions, first: Method, cells: int,
+                   tally: bool) -> tuple[Context, int]:
         """The shared context and a free sequence of it, once the session is known to fit."""
         self._refuse_on_lanes(lanes, first)
+        if tally:
+            raise EdgekvError("a lane records no attention tally: llama.cpp's softmax sums mix the lanes' queries")
         have = lanes.options
         if (options.cache_type_k, options.cache_type_v) != (have.cache_type_k, have.cache_type_v):
             raise EdgekvError(f"a session with a {options.cache_type_k}/{options.cache_type_v} cache cannot take a "
@@ -394,14 +398,15 @@ class Session:
     # -- lanes: a token generated here is decoded with the other lanes' ---------
     def settle(self) -> None:
         """Before anything reads or changes this lane's cache: decode the lanes' queued tokens
-        (this session's among them), then run a compression its schedule asked for."""
+        (this session's among them), then run a compression its schedule asked for. Raises
+        what went wrong with this lane's part of a batch, once."""
         if self.lanes is None:
             return
-        if self._lane_error is not None:
-            e, self._lane_error = self._lane_error, None
-            raise EdgekvError(f"the batched decode of this session's last token failed: {e}")
         if self._queued:
             self.lanes.flush()
+        if self._lane_error is not None:
+            e, self._lane_error = self._lane_error, None
+            raise EdgekvError(f"a batched step of this session failed: {e}")
         if self._check_due:
             self._check_due = False
             self._compress_if_due()
@@ -421,6 +426,13 @@ class Session:
         self._queued = False
         self._lane_error = error
 
+    def discard_queued(self) -> None:
+        """Forget what this lane queued or was told and not yet raised: its conversation is
+        dropped mid-turn, and its cache is emptied before the session serves another."""
+        if self.lanes is not None and self._queued:
+            self.lanes.unqueue(self.seq)
+        self._queued, self._lane_error, self._check_due = False, None, False
+
     def feed(self, tokens: list[int], progress: ProgressFn | None = None) -> None:
         """Decode tokens in chunks, compressing whenever the cache is full."""
         for done, total in self.prefill(tokens):
@@ -430,7 +442,7 @@ class Session:
     def fits(self, n: int) -> bool:
         """Whether ``n`` more tokens fit: always for a compressing method, else while the
         cache has room (a full cache's method refuses or stops instead of overflowing)."""
-        return self.method.compresses or self.engine.n_cells + n <= self.capacity
+        return self.method.compresses or self.engine.n_cells + self._queued + n <= self.capacity
 
     def feed_text(self, text: str, *, add_special: bool | None = None, progress: ProgressFn | None = None) -> int:
         if add_special is None:

@@ -14,7 +14,7 @@ from edgekv.config import ContextOptions
 from edgekv.errors import BudgetError, EdgekvError
 from edgekv.lanes import Lanes
 from edgekv.llama import Context, Sampler, SamplerConfig
-from edgekv.session import Session
+from edgekv.session import Reply, Session
 
 OPTS = ContextOptions(n_threads=2, engine="state", chunk=128)
 CELLS = 320
@@ -140,5 +140,24 @@ def test_what_a_lane_refuses(smollm2) -> None:
             Session(smollm2, n_ctx=CELLS, options=OPTS, lanes=lanes)
         held.close()
         assert lanes.accepts(held.rule.but("snapkv").build()) and not lanes.accepts(held.rule.but("h2o").build())
+    finally:
+        lanes.close()
+
+
+def test_a_full_lane_ends_its_reply_instead_of_failing(smollm2) -> None:
+    """A method that never compresses stops at the capacity, its queued token counted: the
+    reply ends ("length") with the cache exactly full, as in a context of its own."""
+    lanes = Lanes(smollm2, 1, 128, OPTS)
+    try:
+        sess = Session(smollm2, n_ctx=128, options=OPTS, lanes=lanes)
+        sess.feed(_prompts(smollm2, 1)[0][:120])
+        reply = Reply()
+        for _ in sess.stream(50, reply=reply, until_full=True):
+            pass
+        sess.settle()
+        assert sess.engine.n_cells <= 128
+        if reply.finish != "stop":  # not ended by the model itself
+            assert (reply.finish, sess.engine.n_cells, reply.tokens) == ("length", 128, 8)
+        sess.close()
     finally:
         lanes.close()

@@ -204,17 +204,16 @@ class Store:
             return True
         lane = self.lanes is not None and self.lanes.accepts(conv.method)
         pool = self._lane_spare if lane else self._spare
+        live = [c for c in self.convs.values() if c.live]
+        if len(live) >= self.cfg.max_live:  # asked whatever the pools hold: with lanes there are two
+            idle = [c for c in live if not c.busy]
+            if not idle:
+                return False
+            # the least recently used, of the kind this conversation needs where one is idle
+            same = [c for c in idle if c.session is not None and (c.session.lanes is not None) == lane]
+            self.save((same or idle)[0])
         if not pool:
-            live = [c for c in self.convs.values() if c.live]
-            if len(live) >= self.cfg.max_live:
-                idle = [c for c in live if not c.busy]
-                if not idle:
-                    return False
-                # the least recently used, of the kind this conversation needs where one is idle
-                same = [c for c in idle if c.session is not None and (c.session.lanes is not None) == lane]
-                self.save((same or idle)[0])
-            if not pool:
-                pool.append(self._new_session(lane))
+            pool.append(self._new_session(lane))
         sess = pool[-1]
         sess.reset()
         sess.apply(conv.rule, conv.method)  # one-line errors, and the spare stays spare
@@ -269,6 +268,7 @@ class Store:
         return sess
 
     def _spare_again(self, sess: Session) -> None:
+        sess.discard_queued()  # a dropped conversation's last token is not decoded into the spare
         (self._lane_spare if sess.lanes is not None else self._spare).append(sess)
 
     def save(self, conv: Conversation) -> None:
