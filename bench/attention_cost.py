@@ -38,7 +38,8 @@ from edgekv.llama import Model
 from edgekv.methods import get_method
 from edgekv.models import resolve_model
 
-COMPRESS = [("knorm", {}), ("snapkv", {}), ("chunkkv", {}), ("h2o", {})]
+PER_HEAD = {"per_layer": False, "chunk": 10, "window": 32}  # ChunkKV's rule that layer reuse speeds up
+COMPRESS = [("knorm", {}), ("snapkv", {}), ("chunkkv", PER_HEAD), ("h2o", {})]
 REUSE = [1, 2, 4]
 DECODE = [("none", 0, False, ""), ("window", 64, False, ""), ("tally", 64, True, ""),
           ("tally rescored", 64, True, "rescore")]  # the last: EDGEKV_TALLY
@@ -57,7 +58,7 @@ def compress_costs(model: Model, toks: list[int], engine: str, rounds: int, log)
         pre = protocol.prefill(s, toks)
         log(f"  {engine} L={n}: prefill {pre.seconds:.1f} s (recording window and tally)")
         cases = [(f"{m}", get_method(m, **p)) for m, p in COMPRESS]
-        cases += [(f"chunkkv reuse={r}", get_method("chunkkv", reuse=r)) for r in REUSE]
+        cases += [(f"chunkkv reuse={r}", get_method("chunkkv", reuse=r, **PER_HEAD)) for r in REUSE]
         for r in range(rounds):
             for name, m in cases if r % 2 == 0 else cases[::-1]:
                 s.restore(pre.saved)

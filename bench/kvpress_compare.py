@@ -47,8 +47,9 @@ PAIRS: dict[str, dict] = {
     "knorm": {"edgekv": ("knorm", {}), "edgekv as kvpress": ("knorm", {"sinks": 0, "window": 0})},
     "streaming_llm": {"edgekv": ("streaming_llm", {})},
     "snapkv": {"edgekv": ("snapkv", {})},
-    "chunkkv": {"edgekv": ("chunkkv", {}),
-                "edgekv as kvpress": ("chunkkv", {"per_layer": True, "chunk": 20, "window": 64})},
+    # ChunkKV's defaults are kvpress's configuration; the per-head rule was the default before
+    "chunkkv": {"edgekv per head": ("chunkkv", {"per_layer": False, "chunk": 10, "window": 32}),
+                "edgekv as kvpress": ("chunkkv", {})},
     "lagkv": {"edgekv": ("lagkv", {}), "edgekv as kvpress": ("lagkv", {"sinks": 4})},
     "random": {"edgekv": ("random", {})},
     "full": {"edgekv": ("full", {})},  # no compression: what fp32 PyTorch against llama.cpp alone changes

@@ -112,7 +112,7 @@ def test_chunkkv_equals_the_papers_algorithm_when_the_budget_is_whole_chunks() -
     n, w, c = 196, 16, 10  # the prefix before the window is whole chunks
     budget = w + 7 * c
     snap = snapshot(n, w, seed=3)
-    keep = get_method("chunkkv", window=w, chunk=c).select(snap, budget)
+    keep = get_method("chunkkv", window=w, chunk=c, per_layer=False).select(snap, budget)
     for layer in range(L):
         a = snap.window_attention(layer, w)
         for h in range(H):
@@ -122,7 +122,7 @@ def test_chunkkv_equals_the_papers_algorithm_when_the_budget_is_whole_chunks() -
 def test_chunkkv_keeps_whole_chunks_and_one_partial_to_fill_the_budget() -> None:
     n, w, c, budget = 200, 16, 10, 16 + 7 * 10 + 4
     snap = snapshot(n, w, seed=4)
-    keep = get_method("chunkkv", window=w, chunk=c).select(snap, budget)
+    keep = get_method("chunkkv", window=w, chunk=c, per_layer=False).select(snap, budget)
     assert keep.shape == (L, H, budget)
     for layer in range(L):
         for h in range(H):
@@ -140,7 +140,7 @@ def test_chunkkv_hand_case() -> None:
     cell = np.array([1, 1, 5, 5, 0, 0, 2, 2, 0, 9.0])
     for layer in range(L):
         snap._attn[(layer, w)] = np.tile(cell, (H, 1))  # the scores the window would give
-    keep = get_method("chunkkv", window=w, chunk=2).select(snap, 5)
+    keep = get_method("chunkkv", window=w, chunk=2, per_layer=False).select(snap, 5)
     assert np.all(keep == [2, 3, 6, 7, 9])
 
 
