@@ -19,7 +19,8 @@ Methods that tally attention from the sequence's start (H2O) are left out: their
 tally would slow every decode of the shared session (``attention_cost`` measures H2O).
 Writes ``bench/results/stall.json`` (``stall_<model>.json`` for another ``--model``).
 ``--update`` replaces only the rows of the methods and cache types this run measures and
-keeps the others (each row records the command that measured it), so a costly method
+keeps the others (each row records the command and the commit that measured it; the
+file's ``machine`` is the latest run's), so a costly method
 (KVzip: minutes per round) need not be run again after a change to another.
 """
 
@@ -53,25 +54,27 @@ def main() -> None:
     from edgekv.bench.speed import long_text_tokens
     from edgekv.errors import EdgekvError
     from edgekv.llama import Model, SamplerConfig
-    from edgekv.methods import METHODS
+    from edgekv.methods import METHODS, get_method
     from edgekv.models import resolve_model
     from edgekv.session import Session
 
     names = list(METHODS) if a.methods == "all" else a.methods.split(",")
-    unknown = [m for m in names if m not in METHODS]
-    if unknown:
-        ap.error(f"unknown methods {unknown}; available: {', '.join(METHODS)}")
-    names = [m for m in names if METHODS[m].compresses and not METHODS[m].tallies]
+    try:  # a name may carry parameters (chunkkv:per_layer=false:chunk=10)
+        methods = {m: get_method(m) for m in names}
+    except (EdgekvError, ValueError) as e:
+        ap.error(str(e))
+    names = [m for m in names if methods[m].compresses and not methods[m].tallies]
     model = Model(resolve_model(a.model))
     question = model.apply_chat_template([{"role": "user", "content": "What did the letter say about the ball "
                                            "at Netherfield, and who wrote it?"}], add_assistant=True)
     spare = 64
     toks = long_text_tokens(model, a.length + spare - 14)
     greedy = SamplerConfig(temperature=0)
-    observe = max(METHODS[m]().queries_needed for m in names)
-    moments = any(METHODS[m].query_statistics for m in names)
+    observe = max(methods[m].queries_needed for m in names)
+    moments = any(methods[m].query_statistics for m in names)
     rows = []
     command = " ".join(["bench/stall.py", *sys.argv[1:]])
+    commit = machine()["commit"]  # per row: --update keeps rows measured at other commits
     for ct in a.cache_types.split(","):
         with Session(model, method="full", n_ctx=a.length + spare, chunk=512, cache_type_k=ct, cache_type_v=ct,
                      n_threads=a.threads, observe=observe, moments=moments) as s:
@@ -114,7 +117,8 @@ def main() -> None:
                           f"{times[m]['full'][-1]:.2f} s when full (compression {times[m]['compress'][-1]:.2f} s)",
                           flush=True)
             for m, why in refused.items():
-                rows.append({"method": m, "cache_type": ct, "length": a.length, "refused": why, "command": command})
+                rows.append({"method": m, "cache_type": ct, "length": a.length, "refused": why, "command": command,
+                             "commit": commit})
             for m in [m for m in names if m not in refused]:
                 room, full = statistics.median(times[m]["room"]), statistics.median(times[m]["full"])
                 rows.append({"method": m, "cache_type": ct, "length": a.length, "ratio": a.ratio,
@@ -122,15 +126,17 @@ def main() -> None:
                              "first_token_s_room": round(room, 3), "first_token_s_full": round(full, 3),
                              "stall_s": round(full - room, 3),
                              "compress_s": round(statistics.median(times[m]["compress"]), 3), "raw": times[m],
-                             "command": command})
+                             "command": command, "commit": commit})
     model.close()
     name = a.out or ("stall" if a.model == "smollm2-135m" else f"stall_{Path(a.model).name.removesuffix('.gguf')}")
     if a.update and (RESULTS / f"{name}.json").exists():
         measured = {(r["method"], r["cache_type"]) for r in rows}
-        old = json.loads((RESULTS / f"{name}.json").read_text())["rows"]
-        kept = [r for r in old if (r["method"], r["cache_type"]) not in measured]
+        old = json.loads((RESULTS / f"{name}.json").read_text())
+        kept = [{"commit": old["machine"].get("commit", "?"), **r} for r in old["rows"]
+                if (r["method"], r["cache_type"]) not in measured]
         order = {(m, ct): i for i, (m, ct) in enumerate((m, ct) for ct in ("f16", "q8_0", "q4_0") for m in METHODS)}
-        rows = sorted(kept + rows, key=lambda r: order.get((r["method"], r["cache_type"]), len(order)))
+        rows = sorted(kept + rows, key=lambda r: (order.get((r["method"].split(":")[0], r["cache_type"]), len(order)),
+                                                  r["method"]))
     out = write_json(name, {"machine": machine(), "model": a.model, "rows": rows})
     print(f"{'method':18s} {'cache':6s} {'room s':>7s} {'full s':>7s} {'stall s':>8s} {'compress s':>10s}")
     for row in rows:
