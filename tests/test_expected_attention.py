@@ -11,6 +11,7 @@ import pytest
 
 from edgekv.errors import EdgekvError
 from edgekv.kvcache.rope import Rope
+from edgekv.methods import base
 from edgekv.methods.expected_attention import expected_attention_scores
 from edgekv.session import Session
 
@@ -68,6 +69,21 @@ def test_both_engines_keep_the_same_cells(smollm2_path) -> None:
     for engine in ("state", "native"):
         with Session(smollm2_path, method="expected_attention", budget=160, n_ctx=420, engine=engine,
                      n_threads=2) as s:
+            s.feed_text(TEXT)
+            s.compress()
+            state = s.engine.save()
+            kept.append((state.blob, state.token_pos, int(np.argmax(s.logits()))))
+    assert kept[0][0] == kept[1][0] and np.array_equal(kept[0][1], kept[1][1]) and kept[0][2] == kept[1][2]
+
+
+@pytest.mark.parametrize("method", ["expected_attention", "protokv"])
+def test_layers_read_and_scored_side_by_side_keep_the_same_cells(smollm2_path, method, monkeypatch) -> None:
+    """The native snapshot reads layers for two scoring threads at once (its reads and the
+    device's window scores serialised): the cells and the next token of one thread."""
+    kept = []
+    for threads in (1, 2):
+        monkeypatch.setattr(base, "SCORE_THREADS", threads)
+        with Session(smollm2_path, method=method, budget=160, n_ctx=420, engine="native", n_threads=2) as s:
             s.feed_text(TEXT)
             s.compress()
             state = s.engine.save()

@@ -11,7 +11,7 @@ from edgekv.kvcache.cells import check_keep
 from edgekv.kvcache.queries import QueryMoments, QueryWindow
 from edgekv.kvcache.rope import ROPE_NEOX, Rope
 from edgekv.kvcache.snapshot import KVSnapshot
-from edgekv.methods import METHODS
+from edgekv.methods import METHODS, base
 from edgekv.methods import get_method as _get_method
 from edgekv.methods.base import top_k
 from edgekv.profiles import HeadProfile
@@ -87,6 +87,44 @@ def test_sinks_follow_token_positions_after_compaction(name: str) -> None:
     keep = m.select(snapshot(token_pos=tp), 80)
     n_sink_cells = int((tp[0, 0] < m.sinks).sum())
     assert np.all(keep[:, :, :n_sink_cells] == np.arange(n_sink_cells))
+
+
+PARALLEL = [n for n, c in METHODS.items() if getattr(c, "parallel", False)]
+
+
+@pytest.mark.parametrize("name", PARALLEL)
+def test_layers_scored_side_by_side_keep_what_one_thread_keeps(name: str, monkeypatch) -> None:
+    """A ``parallel`` scorer scores several layers at once: the same cells, layer by layer."""
+    assert {"expected_attention", "protokv"} <= set(PARALLEL)
+    m = get_method(name)
+    kept = {}
+    for threads in (1, 3):
+        monkeypatch.setattr(base, "SCORE_THREADS", threads)
+        kept[threads] = m.select(snapshot(seed=4), N // 2)
+    assert np.array_equal(kept[1], kept[3])
+
+
+def test_a_layer_that_fails_beside_others_raises_its_own_error(monkeypatch) -> None:
+    """An error in one layer's scoring reaches the caller as it is, and no thread is left
+    scoring: the layers after it are not started."""
+    started = []
+
+    class Failing(base.ScorerMethod):
+        name = "failing"
+        parallel = True
+
+        def score(self, snap: KVSnapshot, layer: int) -> np.ndarray:
+            started.append(layer)
+            if layer == 1:
+                raise EdgekvError("layer 1 cannot be scored")
+            return np.zeros((snap.n_kv_head, snap.n_cells))
+
+    monkeypatch.setattr(base, "SCORE_THREADS", 2)
+    snap = snapshot()
+    snap.token_pos = np.broadcast_to(np.arange(N), (8, H, N)).copy()  # 8 layers to score
+    with pytest.raises(EdgekvError, match="layer 1 cannot be scored"):
+        Failing(sinks=0, window=1).select(snap, N // 2)
+    assert max(started) < 4  # two in flight at a time: layer 1 failed before layer 4 was asked
 
 
 def test_knorm_keeps_lowest_key_norms_per_head() -> None:

@@ -575,8 +575,9 @@ class NativeSnapshot(KVSnapshot):
         return unrotate(x.reshape(n, h * d), rot).reshape(n, h, d)
 
     def release(self, layer: int) -> None:
-        self._k.pop(layer, None)  # read again if asked, while the cache is unchanged
-        self._v.pop(layer, None)
+        with self._lock:
+            self._k.pop(layer, None)  # read again if asked, while the cache is unchanged
+            self._v.pop(layer, None)
 
     def _load(self, layer: int, keys: bool, values: bool) -> None:
         """Read ``layer`` and the layers after it, up to ``READ_BYTES``, in one device call:

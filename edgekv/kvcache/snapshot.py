@@ -18,6 +18,7 @@ which compute the same numbers:
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from functools import cache
 from typing import ClassVar
@@ -73,6 +74,9 @@ class KVSnapshot:
     _v: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
     _attn: dict[tuple[int, int], np.ndarray] = field(default_factory=dict, repr=False)
     _sqn: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+    # one caller at a time into the engine: a scorer may score several layers at once
+    # (``ScorerMethod.parallel``), and llama.cpp's ops and the read buffers are not reentrant
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
     @classmethod
     def from_arrays(cls, keys: list[np.ndarray], values: list[np.ndarray],
@@ -139,15 +143,17 @@ class KVSnapshot:
     # -- what methods read -------------------------------------------------------
     def keys(self, layer: int) -> np.ndarray:
         """float32 [n_cells, n_kv_head, head_dim_k] (post-RoPE, as cached)."""
-        if layer not in self._k:
-            self._load(layer, True, False)  # keys only: scorers rarely need values
-        return self._k[layer]
+        with self._lock:
+            if layer not in self._k:
+                self._load(layer, True, False)  # keys only: scorers rarely need values
+            return self._k[layer]
 
     def values(self, layer: int) -> np.ndarray:
         """float32 [n_cells, n_kv_head, head_dim_v]."""
-        if layer not in self._v:
-            self._load(layer, layer not in self._k, True)  # K once only
-        return self._v[layer]
+        with self._lock:
+            if layer not in self._v:
+                self._load(layer, layer not in self._k, True)  # K once only
+            return self._v[layer]
 
     def key_norms(self, layer: int) -> np.ndarray:
         """float32 [n_kv_head, n_cells]: the L2 norm of every cached key.
@@ -155,9 +161,10 @@ class KVSnapshot:
         Taken over the keys as stored (a rotation preserves the norm) as float32 sums of
         squares (``key_sqnorms``), so a device's sums and the host's are the same floats
         and both engines rank near-ties alike."""
-        if layer not in self._sqn:
-            self._key_sqnorms(layer)
-        return np.sqrt(self._sqn[layer])
+        with self._lock:
+            if layer not in self._sqn:
+                self._key_sqnorms(layer)
+            return np.sqrt(self._sqn[layer])
 
     def log_counts(self, layer: int) -> np.ndarray | None:
         """The bias attention adds to ``layer``'s logits: log(counts) when the engine applies it."""
@@ -175,17 +182,22 @@ class KVSnapshot:
         (``queries.window_attention``). Computed once per layer and kept;
         ``scored_layers`` records which layers paid for it."""
         key = (layer, n_queries)
-        if key not in self._attn:
-            q, q_pos = self._window(n_queries)
-            self._attn[key] = np.asarray(self._attention(layer, q, q_pos), np.float64)
-            self.scored_layers.append(layer)
-        return self._attn[key]
+        with self._lock:
+            if key not in self._attn:
+                q, q_pos = self._window(n_queries)
+                self._attn[key] = np.asarray(self._attention(layer, q, q_pos), np.float64)
+                self.scored_layers.append(layer)
+            return self._attn[key]
 
     def head_attention(self, layer: int, n_queries: int, heads: list[int]) -> np.ndarray:
         """float64 [len(heads), n_cells]: like ``window_attention`` for single query heads
         (CompressKV's retrieval heads), each summed over the newest ``n_queries`` queries
         only. With the ``"window_attention"`` accelerator they are scored on the device,
         one query head per KV head per call."""
+        with self._lock:
+            return self._head_attention(layer, n_queries, heads)
+
+    def _head_attention(self, layer: int, n_queries: int, heads: list[int]) -> np.ndarray:
         q, q_pos = self._window(n_queries)
         n_head = q.shape[1]
         group = n_head // self.n_kv_head

@@ -37,6 +37,7 @@ class ExpectedAttention(ScorerMethod):
     summary = "keep what future queries are expected to attend to, from past queries' statistics (kvpress)"
     needs = frozenset({"queries"})
     query_statistics = True
+    parallel = True  # numpy on each layer's K/V: layers are scored side by side
 
     sinks: int = 4
     window: int = 0

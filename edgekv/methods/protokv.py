@@ -196,6 +196,7 @@ class ProtoKV(ScorerMethod):
     name = "protokv"
     summary = "window attention pooled over clusters of keys from chunk and LSH prototypes (ProtoKV)"
     needs = frozenset({"queries"})
+    parallel = True  # host clustering per layer: layers are scored side by side
 
     sinks: int = 0
     window: int = 32  # the observation window L_obs (the paper does not give it)
