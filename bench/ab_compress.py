@@ -14,7 +14,7 @@ ratios new / old.
 
 The old checkout runs on this checkout's Python and compiled modules (copy them, as
 above, when the C sources did not change between the two). Writes
-bench/results/ab_compress.json.
+bench/results/ab_compress.json (``--out NAME``: NAME.json).
 """
 
 from __future__ import annotations
@@ -92,6 +92,7 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=8192)
     ap.add_argument("--ratio", type=float, default=0.875)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", default="ab_compress", help="results name under bench/results (JSON)")
     a = ap.parse_args()
     from edgekv.bench.results import machine, write_json
 
@@ -125,7 +126,7 @@ def main() -> None:
                          "old_s": round(statistics.median(times[m]["old"]), 3),
                          "new_s": round(statistics.median(times[m]["new"]), 3),
                          "new_over_old": round(ratio, 3), "raw": times[m]})
-    out = write_json("ab_compress", {"machine": machine(), "commits": commits, "model": a.model, "length": a.length,
+    out = write_json(a.out, {"machine": machine(), "commits": commits, "model": a.model, "length": a.length,
                                      "ratio": a.ratio, "rounds": a.rounds, "command": " ".join(sys.argv), "rows": rows})
     print(f"{'method':18s} {'cache':6s} {'old s':>7s} {'new s':>7s} {'new/old':>8s}")
     for row in rows:

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from itertools import islice
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal, TypeVar
 
 import numpy as np
 
@@ -49,6 +49,7 @@ def _score_threads() -> int:
 
 
 SCORE_THREADS = _score_threads()
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from ..config import BudgetRule
@@ -180,25 +181,6 @@ class ScorerMethod(Method):
         """float [H, n] for one layer; higher means keep."""
         raise NotImplementedError
 
-    def _layer_scores(self, snap: KVSnapshot) -> Iterator[tuple[int, np.ndarray]]:
-        """(layer, scores) in layer order; with ``parallel``, computed ``SCORE_THREADS``
-        layers at a time with numpy's BLAS held to one thread each (two BLAS threads per
-        layer on two cores ran Expected Attention at 8k about twice as slow as one)."""
-        if not self.parallel or SCORE_THREADS < 2 or snap.n_layer < 2:
-            for layer in range(snap.n_layer):
-                yield layer, self.score(snap, layer)
-            return
-        from threadpoolctl import threadpool_limits
-
-        with threadpool_limits(limits=1, user_api="blas"), ThreadPoolExecutor(SCORE_THREADS) as pool:
-            # a bounded look-ahead: only a few layers' K/V are held at once
-            todo = iter(range(snap.n_layer))
-            running = deque(pool.submit(self.score, snap, layer) for layer in islice(todo, SCORE_THREADS))
-            for layer in range(snap.n_layer):
-                s = running.popleft().result()
-                running.extend(pool.submit(self.score, snap, nxt) for nxt in islice(todo, 1))
-                yield layer, s
-
     def select(self, snap: KVSnapshot, budget: int, *, why: Why = "call") -> np.ndarray:
         n = snap.n_cells
         if budget >= n:
@@ -206,7 +188,7 @@ class ScorerMethod(Method):
         prot = self.protected(snap)
         self.refuse_below(budget, int(prot.sum(axis=2).max()))
         keep = np.empty((snap.n_layer, snap.n_kv_head, budget), dtype=np.int64)
-        for layer, s in self._layer_scores(snap):
+        for layer, s in map_layers(lambda layer: self.score(snap, layer), snap.n_layer, parallel=self.parallel):
             s = np.asarray(s, dtype=np.float64)
             snap.release(layer)  # its K/V, if the scorer read them: the buffers serve the next layers
             if s.shape != (snap.n_kv_head, n):
@@ -215,6 +197,27 @@ class ScorerMethod(Method):
             s = np.where(prot[layer], np.inf, s)
             keep[layer] = top_k(s, budget)
         return keep
+
+
+def map_layers(fn: Callable[[int], T], n_layer: int, *, parallel: bool) -> Iterator[tuple[int, T]]:
+    """(layer, fn(layer)) in layer order. With ``parallel``, ``SCORE_THREADS`` layers are
+    computed at a time, numpy's BLAS held to one thread each (two BLAS threads per layer
+    on two cores scored Expected Attention no faster than one); ``fn`` must then read
+    the engine only through its snapshot, which serialises those calls. An error in one
+    layer reaches the caller as it is, once the layers in flight have finished."""
+    if not parallel or SCORE_THREADS < 2 or n_layer < 2:
+        for layer in range(n_layer):
+            yield layer, fn(layer)
+        return
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=1, user_api="blas"), ThreadPoolExecutor(SCORE_THREADS) as pool:
+        todo = iter(range(n_layer))  # a bounded look-ahead: a few layers' K/V held at once
+        running = deque(pool.submit(fn, layer) for layer in islice(todo, SCORE_THREADS))
+        for layer in range(n_layer):
+            out = running.popleft().result()
+            running.extend(pool.submit(fn, nxt) for nxt in islice(todo, 1))
+            yield layer, out
 
 
 def top_k(s: np.ndarray, k: int) -> np.ndarray:

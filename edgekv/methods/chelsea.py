@@ -35,7 +35,7 @@ import numpy as np
 from ..errors import BudgetError
 from ..kvcache.engine import KVEngine
 from ..kvcache.snapshot import KVSnapshot
-from .base import Method, Why
+from .base import Method, Why, map_layers
 
 if TYPE_CHECKING:
     from ..config import BudgetRule
@@ -131,19 +131,26 @@ def edges(keys: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray, np.ndar
 
 def match(snap: KVSnapshot, middle: np.ndarray, chunk: int, m: int) -> tuple[np.ndarray, np.ndarray] | tuple[None, None]:
     """The ``m`` best edges of every (layer, KV head), as cell indices (src, dst) [L, H, m];
-    (None, None) when there are fewer than ``m`` edges. Ties go to the earlier source."""
+    (None, None) when there are fewer than ``m`` edges. Ties go to the earlier source.
+    Layers are matched side by side (``map_layers``): each reads its own keys."""
     L, H, M = middle.shape
     src = np.empty((L, H, m), np.int64)
     dst = np.empty((L, H, m), np.int64)
     heads = np.arange(H)[:, None]
-    for layer in range(L):
+
+    def one(layer: int) -> tuple[np.ndarray, np.ndarray] | None:
         cells = middle[layer]  # [H, M]
         keys = snap.keys(layer)[cells, heads].astype(np.float32)  # [H, M, d]
         snap.release(layer)  # a copy is taken: the read's buffer serves the next layers
         a, b, score = edges(keys, chunk)
         if a.size < m:
-            return None, None
+            return None
         top = np.argsort(-score, axis=1, kind="stable")[:, :m]
-        src[layer] = np.take_along_axis(cells, a[top], axis=1)
-        dst[layer] = np.take_along_axis(cells, np.take_along_axis(b, top, axis=1), axis=1)
+        return (np.take_along_axis(cells, a[top], axis=1),
+                np.take_along_axis(cells, np.take_along_axis(b, top, axis=1), axis=1))
+
+    for layer, pair in map_layers(one, L, parallel=True):
+        if pair is None:
+            return None, None
+        src[layer], dst[layer] = pair
     return src, dst
