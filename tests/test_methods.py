@@ -104,27 +104,37 @@ def test_layers_scored_side_by_side_keep_what_one_thread_keeps(name: str, monkey
     assert np.array_equal(kept[1], kept[3])
 
 
-def test_a_layer_that_fails_beside_others_raises_its_own_error(monkeypatch) -> None:
-    """An error in one layer's scoring reaches the caller as it is, and no thread is left
-    scoring: the layers after it are not started."""
-    started = []
+def test_layers_side_by_side_read_alone_and_fail_with_their_own_error(monkeypatch) -> None:
+    """Each group's reads (``fetch``) run while no layer computes; an error in one layer's
+    scoring reaches the caller as it is, and no later group is started."""
+    events: list[tuple[str, int]] = []
+    running = [0]
 
     class Failing(base.ScorerMethod):
         name = "failing"
         parallel = True
 
+        def fetch(self, snap: KVSnapshot, layer: int) -> None:
+            assert running[0] == 0, "a read ran beside a computing layer"
+            events.append(("fetch", layer))
+
         def score(self, snap: KVSnapshot, layer: int) -> np.ndarray:
-            started.append(layer)
-            if layer == 1:
-                raise EdgekvError("layer 1 cannot be scored")
-            return np.zeros((snap.n_kv_head, snap.n_cells))
+            running[0] += 1
+            try:
+                events.append(("score", layer))
+                if layer == 3:
+                    raise EdgekvError("layer 3 cannot be scored")
+                return np.zeros((snap.n_kv_head, snap.n_cells))
+            finally:
+                running[0] -= 1
 
     monkeypatch.setattr(base, "SCORE_THREADS", 2)
     snap = snapshot()
     snap.token_pos = np.broadcast_to(np.arange(N), (8, H, N)).copy()  # 8 layers to score
-    with pytest.raises(EdgekvError, match="layer 1 cannot be scored"):
+    with pytest.raises(EdgekvError, match="layer 3 cannot be scored"):
         Failing(sinks=0, window=1).select(snap, N // 2)
-    assert max(started) < 4  # two in flight at a time: layer 1 failed before layer 4 was asked
+    assert sorted(events) == [(kind, layer) for kind in ("fetch", "score") for layer in range(4)]
+    assert events[:2] == [("fetch", 0), ("fetch", 1)] and {e for e in events[2:4]} == {("score", 0), ("score", 1)}
 
 
 def test_knorm_keeps_lowest_key_norms_per_head() -> None:

@@ -21,11 +21,9 @@ defaults, so ``edgekv methods`` can list them and the CLI can set them.
 from __future__ import annotations
 
 import os
-from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
-from itertools import islice
 from typing import TYPE_CHECKING, ClassVar, Literal, TypeVar
 
 import numpy as np
@@ -181,6 +179,10 @@ class ScorerMethod(Method):
         """float [H, n] for one layer; higher means keep."""
         raise NotImplementedError
 
+    def fetch(self, snap: KVSnapshot, layer: int) -> None:
+        """Read what ``score`` reads from the engine for ``layer`` (K, V, window scores), so
+        that a ``parallel`` scorer's reads do not run beside its arithmetic. None: nothing."""
+
     def select(self, snap: KVSnapshot, budget: int, *, why: Why = "call") -> np.ndarray:
         n = snap.n_cells
         if budget >= n:
@@ -188,7 +190,8 @@ class ScorerMethod(Method):
         prot = self.protected(snap)
         self.refuse_below(budget, int(prot.sum(axis=2).max()))
         keep = np.empty((snap.n_layer, snap.n_kv_head, budget), dtype=np.int64)
-        for layer, s in map_layers(lambda layer: self.score(snap, layer), snap.n_layer, parallel=self.parallel):
+        for layer, s in map_layers(lambda layer: self.score(snap, layer), snap.n_layer, parallel=self.parallel,
+                                   fetch=lambda layer: self.fetch(snap, layer)):
             s = np.asarray(s, dtype=np.float64)
             snap.release(layer)  # its K/V, if the scorer read them: the buffers serve the next layers
             if s.shape != (snap.n_kv_head, n):
@@ -199,12 +202,18 @@ class ScorerMethod(Method):
         return keep
 
 
-def map_layers(fn: Callable[[int], T], n_layer: int, *, parallel: bool) -> Iterator[tuple[int, T]]:
-    """(layer, fn(layer)) in layer order. With ``parallel``, ``SCORE_THREADS`` layers are
-    computed at a time, numpy's BLAS held to one thread each (two BLAS threads per layer
-    on two cores scored Expected Attention no faster than one); ``fn`` must then read
-    the engine only through its snapshot, which serialises those calls. An error in one
-    layer reaches the caller as it is, once the layers in flight have finished."""
+def map_layers(fn: Callable[[int], T], n_layer: int, *, parallel: bool,
+               fetch: Callable[[int], object] | None = None) -> Iterator[tuple[int, T]]:
+    """(layer, fn(layer)) in layer order.
+
+    With ``parallel``, layers go in groups of ``SCORE_THREADS``: ``fetch(layer)`` first
+    brings each layer of the group from the engine, on this thread and alone, and then
+    the group's layers are computed at once, numpy's BLAS held to one thread each. Kept
+    apart, llama.cpp's own threads have the cores to themselves while they read: a read
+    beside two computing threads oversubscribed two cores and cost what the threads
+    gained (Expected Attention at 8k). ``fn`` must read the engine only through the
+    snapshot, which serialises those calls. An error in one layer reaches the caller as
+    it is, once the layers in flight have finished."""
     if not parallel or SCORE_THREADS < 2 or n_layer < 2:
         for layer in range(n_layer):
             yield layer, fn(layer)
@@ -212,12 +221,14 @@ def map_layers(fn: Callable[[int], T], n_layer: int, *, parallel: bool) -> Itera
     from threadpoolctl import threadpool_limits
 
     with threadpool_limits(limits=1, user_api="blas"), ThreadPoolExecutor(SCORE_THREADS) as pool:
-        todo = iter(range(n_layer))  # a bounded look-ahead: a few layers' K/V held at once
-        running = deque(pool.submit(fn, layer) for layer in islice(todo, SCORE_THREADS))
-        for layer in range(n_layer):
-            out = running.popleft().result()
-            running.extend(pool.submit(fn, nxt) for nxt in islice(todo, 1))
-            yield layer, out
+        for start in range(0, n_layer, SCORE_THREADS):
+            group = range(start, min(n_layer, start + SCORE_THREADS))
+            if fetch is not None:
+                for layer in group:
+                    fetch(layer)
+            running = [pool.submit(fn, layer) for layer in group]
+            for layer, job in zip(group, running, strict=True):
+                yield layer, job.result()
 
 
 def top_k(s: np.ndarray, k: int) -> np.ndarray:

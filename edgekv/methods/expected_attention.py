@@ -53,6 +53,11 @@ class ExpectedAttention(ScorerMethod):
         if self.epsilon < 0:
             raise ValueError(f"epsilon must not be negative, got {self.epsilon}")
 
+    def fetch(self, snap: KVSnapshot, layer: int) -> None:
+        snap.keys(layer)
+        if self.use_vnorm:
+            snap.values(layer)
+
     def score(self, snap: KVSnapshot, layer: int) -> np.ndarray:
         m = snap.moments
         if m is None:

@@ -229,6 +229,11 @@ class ProtoKV(ScorerMethod):
     def n_irregular(self) -> int:
         return self.irregular or 3 * self.buckets
 
+    def fetch(self, snap: KVSnapshot, layer: int) -> None:
+        if snap.n_cells > self.window:
+            snap.window_attention(layer, self.window)
+            snap.keys(layer)
+
     def score(self, snap: KVSnapshot, layer: int) -> np.ndarray:
         n = snap.n_cells
         m = n - min(self.window, n)  # the candidates: cells before the window
