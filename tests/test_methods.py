@@ -192,9 +192,12 @@ def test_parameters_in_the_name() -> None:
     assert get_method("chunkkv:chunk=20", chunk=8).chunk == 8
     wrapped = get_method("knorm:sinks=8+chunk@16")
     assert (wrapped.method.sinks, wrapped.chunk) == (8, 16)
+    # a '+' inside a value (an exponent) is the value's, not a wrapper's
+    assert get_method("expected_attention:epsilon=1e+3").epsilon == 1000.0
+    assert get_method("expected_attention:epsilon=1e+3+rerotate").method.epsilon == 1000.0
     for bad, why in (("chunkkv:chunk", "NAME=VALUE"), ("chunkkv:", "NAME=VALUE"), ("chunkkv:=3", "NAME=VALUE"),
                      ("chunkkv:bogus=1", "has no parameter 'bogus'"), ("chunkkv:chunk=x", "takes int values"),
-                     ("nope:a=1", "unknown method 'nope'")):
+                     ("nope:a=1", "unknown method 'nope'"), ("knorm+bogus", "unknown method suffix 'bogus'")):
         with pytest.raises(EdgekvError, match=why):
             get_method(bad)
 

@@ -7,6 +7,7 @@ in ``METHODS``; the parametrised test matrix (tests/test_methods.py) picks it up
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from ..errors import EdgekvError
 from .base import Method, ScorerMethod
@@ -70,7 +71,9 @@ def get_method(name: str, **params: object) -> Method:
     ``chunkkv:per_layer=true:chunk=20`` sets parameters in the name itself, so that one
     string names a configuration wherever a method name goes (a sweep's ``--methods``,
     a request); ``params`` given beside it win."""
-    base, plus, suffix = name.partition("+")
+    base, plus, suffix = name.rpartition("+")
+    if not plus or not re.fullmatch(r"[A-Za-z_]\w*(@.*)?", suffix):  # no wrapper: a '+' in a value (1e+3)
+        base, plus, suffix = name, "", ""
     base, colon, spec = base.partition(":")
     if colon:
         params = {**parse_params(spec.split(":"), f"{name!r}: a parameter after ':'"), **params}
