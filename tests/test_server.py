@@ -16,6 +16,8 @@ import openai
 import pytest
 from _server import config, engine_view, running
 
+from edgekv.lanes import Lanes
+from edgekv.methods import METHODS, get_method
 from edgekv.server import App, Settings
 
 MODEL = "smollm2-135m"
@@ -216,6 +218,32 @@ def test_batched_conversations_share_a_context_and_answer_the_same(smollm2, tmp_
             assert ek["lane"] is (method != "chelsea") and ek["compressions"] >= 1 and ek["cells"] <= 256
         totals = snap["totals"]
         assert totals["batched_tokens"] > totals["batched_steps"] > 0  # steps that decoded several at once
+
+
+@pytest.mark.slow
+def test_every_method_in_concurrent_conversations(smollm2, tmp_path) -> None:
+    """One conversation per registered method, all at once, on a --batch server with fewer
+    live slots than conversations (so turns wait, and idle conversations are saved and
+    resumed): every one answers three turns, outgrows its context and compresses, on a lane
+    unless a lane cannot run its method. (``full`` cannot outgrow a context: it answers
+    one turn.) The server starts with kvzip so that its contexts have scratch cells."""
+    app = App(config(smollm2, tmp_path, batch=True, max_live=6, defaults=Settings("kvzip", 128)))
+    special = {"context_shift": {}, "lagkv": {"ratio": 0.5}}  # lagkv's partitions need more than 128 cells
+    rules = {m: special.get(m, {"budget": 128}) for m in METHODS if m != "full"}
+    with running(app) as base:
+        results = _concurrently(base, rules)
+        full = _talk(base, "full", {}, turns=1, max_tokens=8)
+        snap = _consistent(base, app)
+    assert full[0][0] and full[0][1]["compressions"] == 0
+    convs = {c["method"]: c for c in snap["conversations"]}
+    for method in rules:
+        turns = results[method]
+        assert len(turns) == 3 and all(text for text, _ in turns), method
+        ek = turns[-1][1]
+        assert ek["compressions"] >= 1 and ek["cells"] <= app.cfg.n_ctx, method
+        assert ek["lane"] is (Lanes.refusal(get_method(method)) is None), method
+        assert convs[method]["tokens_seen"] > app.cfg.n_ctx, method
+    assert snap["totals"]["batched_tokens"] > snap["totals"]["batched_steps"] > 0
 
 
 @pytest.mark.slow
