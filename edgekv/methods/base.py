@@ -28,25 +28,28 @@ from typing import TYPE_CHECKING, ClassVar, Literal, TypeVar
 
 import numpy as np
 
-from ..errors import BudgetError
+from ..errors import BudgetError, EdgekvError
 from ..gguf_info import ModelInfo
 from ..kvcache.engine import KVEngine
 from ..kvcache.snapshot import KVSnapshot
 
 
-def _score_threads() -> int:
-    """Cores a ``parallel`` scorer spreads its layers over: EDGEKV_SCORE_THREADS (1: in
-    turn), else this process's cores, at most 4."""
+def score_threads() -> int:
+    """Cores a ``parallel`` scorer spreads its layers over: ``SCORE_THREADS`` when set,
+    else EDGEKV_SCORE_THREADS (1: in turn), else this process's cores, at most 4. Read at
+    each compression, so a bad value is a one-line error there, not at import."""
+    if SCORE_THREADS:
+        return SCORE_THREADS
     given = os.environ.get("EDGEKV_SCORE_THREADS", "")
     if given:
         if not given.isdigit() or int(given) < 1:
-            raise ValueError(f"EDGEKV_SCORE_THREADS must be a whole number >= 1, got {given!r}")
+            raise EdgekvError(f"EDGEKV_SCORE_THREADS must be a whole number >= 1, got {given!r}")
         return int(given)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return min(4, cores)
 
 
-SCORE_THREADS = _score_threads()
+SCORE_THREADS: int | None = None  # None: score_threads() decides
 T = TypeVar("T")
 
 if TYPE_CHECKING:
@@ -206,7 +209,7 @@ def map_layers(fn: Callable[[int], T], n_layer: int, *, parallel: bool,
                fetch: Callable[[int], object] | None = None) -> Iterator[tuple[int, T]]:
     """(layer, fn(layer)) in layer order.
 
-    With ``parallel``, layers go in groups of ``SCORE_THREADS``: ``fetch(layer)`` first
+    With ``parallel``, layers go in groups of ``score_threads()``: ``fetch(layer)`` first
     brings each layer of the group from the engine, on this thread and alone, and then
     the group's layers are computed at once, numpy's BLAS held to one thread each. Kept
     apart, llama.cpp's own threads have the cores to themselves while they read: a read
@@ -214,15 +217,16 @@ def map_layers(fn: Callable[[int], T], n_layer: int, *, parallel: bool,
     gained (Expected Attention at 8k). ``fn`` must read the engine only through the
     snapshot, which serialises those calls. An error in one layer reaches the caller as
     it is, once the layers in flight have finished."""
-    if not parallel or SCORE_THREADS < 2 or n_layer < 2:
+    threads = score_threads() if parallel else 1
+    if threads < 2 or n_layer < 2:
         for layer in range(n_layer):
             yield layer, fn(layer)
         return
     from threadpoolctl import threadpool_limits
 
-    with threadpool_limits(limits=1, user_api="blas"), ThreadPoolExecutor(SCORE_THREADS) as pool:
-        for start in range(0, n_layer, SCORE_THREADS):
-            group = range(start, min(n_layer, start + SCORE_THREADS))
+    with threadpool_limits(limits=1, user_api="blas"), ThreadPoolExecutor(threads) as pool:
+        for start in range(0, n_layer, threads):
+            group = range(start, min(n_layer, start + threads))
             if fetch is not None:
                 for layer in group:
                     fetch(layer)

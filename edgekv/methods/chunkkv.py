@@ -2,7 +2,8 @@
 Long-Context LLM Inference", arXiv:2502.00299; notes in docs/methods.md).
 
 Eviction by chunks of ``chunk`` consecutive tokens instead of single tokens,
-so a kept fact keeps its subject, verb and object. Per (layer, KV head):
+so a kept fact keeps its subject, verb and object. The paper's rule
+(``per_layer=False``), per (layer, KV head):
 
 - every cell before the window is scored by the attention the window's
   queries pay to it (softmax, summed over the window queries and the query
