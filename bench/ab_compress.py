@@ -13,7 +13,16 @@ ratios new / old.
     .venv/bin/edgekv bench run ab_compress --old /tmp/old --methods expected_attention,lagkv --rounds 5
 
 The old checkout runs on this checkout's Python and compiled modules (copy them, as
-above, when the C sources did not change between the two). Writes
+above, when the C sources did not change between the two). When they did, give the old
+checkout its own build: a copy of ``.venv`` with the old wheel installed and the old
+checkout's bindings built by it, passed as ``--old-python``:
+
+    cp -a .venv /tmp/oldvenv && /tmp/oldvenv/bin/pip install --force-reinstall --no-deps OLD_WHEEL
+    (cd /tmp/old && /tmp/oldvenv/bin/python native/build_native.py)
+    .venv/bin/edgekv bench run ab_compress --old /tmp/old --old-python /tmp/oldvenv/bin/python ...
+
+Each compression also reports a digest of the cache's state blob, so the results say
+whether the two checkouts left the same bytes (``same_state``). Writes
 bench/results/ab_compress.json (``--out NAME``: NAME.json).
 """
 
@@ -31,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # what each worker runs: the public API both checkouts share
 WORKER = r"""
-import json, sys, time
+import hashlib, json, sys, time
 from edgekv.bench.speed import long_text_tokens
 from edgekv.llama import Model
 from edgekv.methods import METHODS
@@ -54,14 +63,15 @@ with Session(model, method="full", n_ctx=length + 64, chunk=512, cache_type_k=ct
         t0 = time.perf_counter()
         s.compress()
         dt = time.perf_counter() - t0
-        print(json.dumps({"method": m, "seconds": dt, "cells": s.engine.n_cells}), flush=True)
+        digest = hashlib.sha256(s.ctx.state_get()).hexdigest()[:16]
+        print(json.dumps({"method": m, "seconds": dt, "cells": s.engine.n_cells, "state": digest}), flush=True)
 """
 
 
 class Worker:
-    def __init__(self, tree: Path, args: list[str]) -> None:
+    def __init__(self, tree: Path, args: list[str], python: str = sys.executable) -> None:
         env = dict(os.environ, PYTHONPATH=str(tree))
-        self.p = subprocess.Popen([sys.executable, "-c", WORKER, *args], cwd=tree, env=env, text=True,
+        self.p = subprocess.Popen([python, "-c", WORKER, *args], cwd=tree, env=env, text=True,
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
 
     def wait_ready(self) -> None:
@@ -85,6 +95,8 @@ class Worker:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--old", required=True, help="the other checkout")
+    ap.add_argument("--old-python", default=sys.executable,
+                    help="the interpreter for the old checkout (its own venv when the C sources differ)")
     ap.add_argument("--new", default=str(ROOT))
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--methods", default="expected_attention,lagkv")
@@ -103,17 +115,21 @@ def main() -> None:
     rows = []
     for ct in a.cache_types.split(","):
         print(f"{ct}: prefilling {a.length} tokens in both checkouts", flush=True)
-        workers = {k: Worker(t, [a.model, ct, str(a.length), str(a.ratio), *names]) for k, t in trees.items()}
+        python = {"old": a.old_python, "new": sys.executable}
+        workers = {k: Worker(t, [a.model, ct, str(a.length), str(a.ratio), *names], python[k])
+                   for k, t in trees.items()}
         for w in workers.values():
             w.wait_ready()
         times: dict[str, dict[str, list[float]]] = {m: {"old": [], "new": []} for m in names}
         cells: dict[str, dict[str, int]] = {m: {} for m in names}
+        states: dict[str, dict[str, set[str]]] = {m: {"old": set(), "new": set()} for m in names}
         for r in range(a.rounds):
             for m in names if r % 2 == 0 else names[::-1]:
                 for side in ("old", "new") if r % 2 == 0 else ("new", "old"):
                     got = workers[side].compress(m)
                     times[m][side].append(got["seconds"])
                     cells[m][side] = got["cells"]
+                    states[m][side].add(got["state"])
                 print(f"round {r + 1}/{a.rounds} {ct} {m}: old {times[m]['old'][-1]:.3f} s, "
                       f"new {times[m]['new'][-1]:.3f} s", flush=True)
         for w in workers.values():
@@ -125,13 +141,14 @@ def main() -> None:
             rows.append({"method": m, "cache_type": ct, "cells_after": cells[m]["new"],
                          "old_s": round(statistics.median(times[m]["old"]), 3),
                          "new_s": round(statistics.median(times[m]["new"]), 3),
-                         "new_over_old": round(ratio, 3), "raw": times[m]})
+                         "new_over_old": round(ratio, 3), "same_state": states[m]["old"] == states[m]["new"],
+                         "raw": times[m]})
     out = write_json(a.out, {"machine": machine(), "commits": commits, "model": a.model, "length": a.length,
                                      "ratio": a.ratio, "rounds": a.rounds, "command": " ".join(sys.argv), "rows": rows})
-    print(f"{'method':18s} {'cache':6s} {'old s':>7s} {'new s':>7s} {'new/old':>8s}")
+    print(f"{'method':18s} {'cache':6s} {'old s':>7s} {'new s':>7s} {'new/old':>8s} same state")
     for row in rows:
         print(f"{row['method']:18s} {row['cache_type']:6s} {row['old_s']:7.3f} {row['new_s']:7.3f} "
-              f"{row['new_over_old']:8.3f}")
+              f"{row['new_over_old']:8.3f} {row['same_state']}")
     print(f"wrote {out}")
 
 

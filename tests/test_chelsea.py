@@ -194,12 +194,12 @@ def test_log_count_bias_makes_merged_duplicates_exact() -> None:
 
 
 def test_merge_groups_bins_stars_by_size() -> None:
-    src = np.array([5, 1, 7, 9, 3])
-    dst = np.array([4, 2, 4, 4, 2])
+    src = np.array([[[5, 1, 7, 9, 3]]])  # one (layer, head)
+    dst = np.array([[[4, 2, 4, 4, 2]]])
     groups = merge_groups(src, dst)
-    assert [g.tolist() for g in groups] == [[[2, 1, 3, -1], [4, 5, 7, 9]]]  # sizes 3 and 4: width 4
-    groups = merge_groups(np.array([1, 8, 5, 7, 9, 11]), np.array([2, 6, 4, 4, 4, 4]))
-    assert [g.tolist() for g in groups] == [[[2, 1], [6, 8]], [[4, 5, 7, 9, 11, -1, -1, -1]]]
+    assert [g[0, 0].tolist() for g in groups] == [[[2, 1, 3, -1], [4, 5, 7, 9]]]  # sizes 3 and 4: width 4
+    groups = merge_groups(np.array([[[1, 8, 5, 7, 9, 11]]]), np.array([[[2, 6, 4, 4, 4, 4]]]))
+    assert [g[0, 0].tolist() for g in groups] == [[[2, 1], [6, 8]], [[4, 5, 7, 9, 11, -1, -1, -1]]]
 
 
 def test_merge_groups_hold_every_star_once_whatever_the_mix_of_sizes() -> None:
@@ -217,8 +217,36 @@ def test_merge_groups_hold_every_star_once_whatever_the_mix_of_sizes() -> None:
             row = [int(d), *sorted(int(x) for x in srcs[dst == d])]
             w = 1 << (len(row) - 1).bit_length()
             want.setdefault(w, []).append(row + [-1] * (w - len(row)))
-        got = {g.shape[1]: g.tolist() for g in merge_groups(srcs, dst)}
+        got = {g.shape[3]: g[0, 0].tolist() for g in merge_groups(srcs[None, None], dst[None, None])}
         assert got == want
+
+
+def test_merge_groups_bin_every_head_by_width_with_its_own_padding() -> None:
+    """The groups of all (layer, head)s at once, against one (layer, head) at a time
+    written out plainly: rows by destination, sources ascending, widths powers of two,
+    and a head with fewer groups of a width padded with its first source alone."""
+    rng = np.random.default_rng(3)
+    L, H, n, m = 3, 2, 60, 20
+    src = np.stack([np.stack([rng.permutation(n - 1)[:m] for _ in range(H)]) for _ in range(L)])
+    dst = np.empty_like(src)
+    for li, h in np.ndindex(L, H):
+        free = np.setdiff1d(np.arange(n - 1), src[li, h])
+        dst[li, h] = rng.choice(free[: 2 + 3 * li + h], m)  # few destinations: wide groups, unequal per head
+    got = merge_groups(src, dst)
+    widths = [g.shape[3] for g in got]
+    assert widths == sorted(set(widths)) and all(w & (w - 1) == 0 for w in widths)
+    for li, h in np.ndindex(L, H):
+        want: dict[int, list[list[int]]] = {}
+        for d in np.unique(dst[li, h]):
+            members = [int(d), *sorted(int(x) for x in src[li, h][dst[li, h] == d])]
+            w = 1 << (len(members) - 1).bit_length()
+            want.setdefault(w, []).append(members + [-1] * (w - len(members)))
+        for g in got:
+            rows = g[li, h]
+            real = rows[rows[:, 1] >= 0]
+            assert real.tolist() == want.get(g.shape[3], [])
+            pad = rows[real.shape[0]:]
+            assert (pad[:, 0] == src[li, h, 0]).all() and (pad[:, 1:] == -1).all()
 
 
 def test_bad_merges_are_refused() -> None:

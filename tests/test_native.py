@@ -121,13 +121,13 @@ def test_compaction_in_any_order_is_the_same_on_both_paths(smollm2, toks, ck, cv
 
 
 MERGE_CONFIGS = [("f16", "f16", "off"), ("f16", "f16", "on"), ("f32", "f32", "off"), ("f16", "f32", "off"),
-                 ("q8_0", "q8_0", "on")]
+                 ("q8_0", "q8_0", "on"), ("q4_0", "q4_0", "on"), ("q8_0", "f16", "off"), ("bf16", "bf16", "on")]
 
 
 @pytest.mark.parametrize(("ck", "cv", "fa"), MERGE_CONFIGS, ids=[f"{k}-{v}-fa_{fa}" for k, v, fa in MERGE_CONFIGS])
 def test_merge_is_the_same_on_both_paths(smollm2, toks, ck, cv, fa, monkeypatch) -> None:
-    # an F32 or F16 cache in host memory merges without a graph: the same bytes and bias as
-    # the graph (q8_0 takes the graph both times), for groups with unused slots, a repeated
+    # a cache in host memory merges without a graph: the same bytes and bias as the graph
+    # (quantised types through the CPU backend's own quantiser), for groups with unused slots, a repeated
     # member, and a group reading a cell another group's merge writes; a token decoded
     # before and one after (its K/V in later layers) show the next decode attends with the
     # bias the merge turned on, not through the graph of the decode before it

@@ -209,24 +209,33 @@ def average_rows(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 def merge_groups(src: np.ndarray, dst: np.ndarray) -> list[np.ndarray]:
-    """One (layer, head)'s merge as groups: int64 [G, M] arrays, each row a destination
-    followed by its sources in ascending order, padded with -1. Groups are binned by size
-    (M a power of two) so that one large group does not pad every other."""
-    order = np.lexsort((src, dst))
-    d, s = dst[order], src[order]
-    starts = np.flatnonzero(np.r_[True, d[1:] != d[:-1]])
+    """A merge of every (layer, head) as groups, binned by width: int64 [n_layer, n_kv_head,
+    G, M] arrays, M a power of two (so that one large group does not pad every other),
+    ascending. Each row is a destination followed by its sources in ascending order, padded
+    with -1; a (layer, head) with fewer than G groups of a width fills its last rows with
+    its first source alone (``[src[l, h, 0], -1, ...]``, which averages to that cell's own
+    row: drop such rows where only real groups are wanted, ``g[:, 1] >= 0``)."""
+    L, H, m = src.shape
+    lh = np.repeat(np.arange(L * H), m)
+    s, d = src.reshape(-1), dst.reshape(-1)
+    order = np.lexsort((s, d, lh))
+    lh, d, s = lh[order], d[order], s[order]
+    starts = np.flatnonzero(np.r_[True, (d[1:] != d[:-1]) | (lh[1:] != lh[:-1])])
     sizes = np.diff(np.r_[starts, d.size]) + 1  # the destination and its sources
     width = 1 << np.ceil(np.log2(sizes)).astype(int)
     group = np.repeat(np.arange(starts.size), sizes - 1)  # of each source, in sorted order
     column = np.arange(d.size) - starts[group] + 1  # its place in the group's row
     out = []
     for w in np.unique(width):
-        idx = np.flatnonzero(width == w)
+        idx = np.flatnonzero(width == w)  # this width's groups, by (layer, head), then destination
+        at = lh[starts[idx]]
+        count = np.bincount(at, minlength=L * H)
         row = np.empty(starts.size, np.int64)
-        row[idx] = np.arange(idx.size)
-        g = -np.ones((idx.size, int(w)), np.int64)
-        g[:, 0] = d[starts[idx]]
+        row[idx] = np.arange(idx.size) - np.r_[0, np.cumsum(count)[:-1]][at]  # its row in its (layer, head)
+        g = -np.ones((L * H, int(count.max()), int(w)), np.int64)
+        g[:, :, 0] = src[:, :, 0].reshape(-1, 1)
+        g[at, row[idx], 0] = d[starts[idx]]
         mine = width[group] == w
-        g[row[group[mine]], column[mine]] = s[mine]
-        out.append(g)
+        g[lh[mine], row[group[mine]], column[mine]] = s[mine]
+        out.append(g.reshape(L, H, *g.shape[1:]))
     return out

@@ -356,16 +356,7 @@ class NativeEngine:
         with fewer groups of a width are padded with groups of one source cell, which
         rewrite that cell unchanged before the compaction drops it."""
         L, H = self.n_layer, self.n_kv_head
-        groups = {(il, h): merge_groups(src[il, h], dst[il, h]) for il, h in np.ndindex(L, H)}
-        widths = sorted({g.shape[1] for gs in groups.values() for g in gs})
-        for w in widths:
-            rows = {lh: next((g for g in gs if g.shape[1] == w), np.zeros((0, w), np.int64))
-                    for lh, gs in groups.items()}
-            n_group = max(r.shape[0] for r in rows.values())
-            members = -np.ones((L, H, n_group, w), np.int64)
-            members[..., 0] = src[:, :, :1]
-            for (il, h), r in rows.items():
-                members[il, h, : r.shape[0]] = r
+        for members in merge_groups(src, dst):
             weights = np.where(members >= 0, np.take_along_axis(
                 counts, np.maximum(members, 0).reshape(L, H, -1), axis=2).reshape(members.shape), 0.0)
             self._merge_groups(members, weights.astype(np.float32))

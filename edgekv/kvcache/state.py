@@ -397,9 +397,13 @@ class StateEngine:
         old = self.tokens.full_counts(n_layer, n)
         old = np.ones((n_layer, H, n), np.float32) if old is None else old
         merged = {}
+        groups = merge_groups(src, dst)
         for il, h in np.ndindex(n_layer, H):
             dsts, ks, vs = [], [], []
-            for g in merge_groups(src[il, h], dst[il, h]):
+            for g in (g[il, h] for g in groups):
+                g = g[g[:, 1] >= 0]  # real groups only, not the padding
+                if not g.size:
+                    continue
                 cells = np.where(g >= 0, g, g[:, :1])
                 w = np.where(g >= 0, old[il, h][cells], 0.0)
                 k, v = layout.head_rows(sec, il, h, order[cells.ravel()], H, self.head_dim_k, self.head_dim_v)

@@ -114,14 +114,13 @@ def edges(keys: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray, np.ndar
     alone in its chunk has no edge."""
     *lead, M, d = keys.shape
     n_chunk = -(-M // chunk)
-    pad = n_chunk * chunk - M
-    unit = keys / np.maximum(np.linalg.norm(keys, axis=-1, keepdims=True), 1e-12)
-    unit = np.concatenate([unit, np.zeros((*lead, pad, d), unit.dtype)], axis=-2)
+    unit = np.zeros((*lead, n_chunk * chunk, d), np.result_type(keys.dtype, np.float32))  # the last chunk padded
+    np.divide(keys, np.maximum(np.linalg.norm(keys, axis=-1, keepdims=True), 1e-12), out=unit[..., :M, :])
     unit = unit.reshape(*lead, n_chunk, chunk, d)
     idx = np.arange(n_chunk * chunk).reshape(n_chunk, chunk)
     a, b = idx[:, 0::2], idx[:, 1::2]
     sim = unit[..., 0::2, :] @ np.swapaxes(unit[..., 1::2, :], -1, -2)  # [..., chunks, sources, destinations]
-    sim = np.where(b[:, None, :] < M, sim, -np.inf)
+    sim[..., -1, :, b[-1] >= M] = -np.inf  # padding is no destination (only the last chunk has any)
     best = sim.argmax(axis=-1)
     score = np.take_along_axis(sim, best[..., None], axis=-1)[..., 0]
     dst = b[np.arange(n_chunk)[:, None], best]
@@ -140,7 +139,7 @@ def match(snap: KVSnapshot, middle: np.ndarray, chunk: int, m: int) -> tuple[np.
 
     def one(layer: int) -> tuple[np.ndarray, np.ndarray] | None:
         cells = middle[layer]  # [H, M]
-        keys = snap.keys(layer)[cells, heads].astype(np.float32)  # [H, M, d]
+        keys = snap.keys(layer)[cells, heads].astype(np.float32, copy=False)  # [H, M, d]
         snap.release(layer)  # a copy is taken: the read's buffer serves the next layers
         a, b, score = edges(keys, chunk)
         if a.size < m:

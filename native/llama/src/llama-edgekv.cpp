@@ -14,6 +14,7 @@
 
 #include "ggml.h"
 #include "ggml-backend.h"
+#include "ggml-cpu.h"
 
 #include <algorithm>
 #include <atomic>
@@ -668,7 +669,7 @@ int32_t llama_edgekv_seq_compact(
     return LLAMA_EDGEKV_OK;
 }
 
-// The merge where the cache is in host memory and stored as F32 or F16: the merge graph's
+// The merge where the cache is in host memory: the merge graph's
 // arithmetic on the CPU backend without the graph (with flash attention off, the graph
 // transposes each layer's V whole, twice per call). Each member's row times its weight in
 // F32, summed over the members in order in double and rounded to F32 (ggml's sum_rows),
@@ -700,64 +701,102 @@ static bool edgekv_host_merge(const llama_edgekv_kv & e, int32_t n_group, int32_
         float * y = (float *) tmp.data();
         float * x = y + n_out;
         double * acc = (double *) (y + n_f);
-        std::vector<uint32_t> at(trans ? n_member : 0); // a transposed V: the members' cells,
-        std::vector<float> xs(at.size());               // their elements of one channel row,
-        std::vector<uint8_t> raw(at.size()*el);         // and the gather's scratch
-        for (int32_t h = 0; h < H; ++h) {
-            for (int32_t gi = 0; gi < n_group; ++gi) {
-                const size_t base = ((size_t) h*n_group + gi)*n_member;
-                const float * w = wl + base;
-                float * o = y + ((size_t) h*n_group + gi)*hd;
-                if (trans) { // per channel row: its members' elements, each times its weight (ggml_mul, in F32), summed
-                    for (int32_t i = 0; i < n_member; ++i) {
-                        at[i] = e.cells[ml[base + i]];
+        if (trans) { // per channel row: its members' elements, each times its weight (ggml_mul, in F32), summed
+            // every member of every group of one channel row is gathered, then converted in one
+            // call: member cells lie far apart in the row, and a call per group and channel
+            // cost more than the arithmetic
+            const size_t n_el = (size_t) n_group*n_member;
+            std::vector<uint32_t> at(n_el);
+            std::vector<uint8_t> raw(n_el*el);
+            std::vector<float> xs(n_el);
+            for (int32_t h = 0; h < H; ++h) {
+                const size_t base0 = (size_t) h*n_el;
+                for (size_t i = 0; i < n_el; ++i) {
+                    at[i] = e.cells[ml[base0 + i]];
+                }
+                for (int32_t d = 0; d < hd; ++d) {
+                    const uint8_t * row = data + ((size_t) h*hd + d)*e.kv_size()*el;
+                    if (el == 2) {
+                        for (size_t i = 0; i < n_el; ++i) {
+                            memcpy(raw.data() + 2*i, row + 2*(size_t) at[i], 2);
+                        }
+                    } else {
+                        for (size_t i = 0; i < n_el; ++i) {
+                            memcpy(raw.data() + 4*i, row + 4*(size_t) at[i], 4);
+                        }
                     }
-                    const bool run = edgekv_is_run(at.data(), n_member);
-                    for (int32_t d = 0; d < hd; ++d) {
-                        edgekv_vt_to_f32(t->type, el, data + ((size_t) h*hd + d)*e.kv_size()*el, at.data(), n_member,
-                                         run, raw.data(), xs.data());
+                    edgekv_to_f32(t->type, raw.data(), xs.data(), (int64_t) n_el);
+                    for (int32_t gi = 0; gi < n_group; ++gi) {
+                        const size_t g0 = (size_t) gi*n_member;
+                        const float * w = wl + base0 + g0;
                         double a = 0.0;
                         for (int32_t i = 0; i < n_member; ++i) {
-                            const float p = xs[i]*w[i];
+                            const float p = xs[g0 + i]*w[i];
                             a += (double) p;
                         }
-                        o[d] = (float) a;
+                        y[((size_t) h*n_group + gi)*hd + d] = (float) a;
                     }
-                    continue;
                 }
-                for (int32_t d = 0; d < hd; ++d) {
-                    acc[d] = 0.0;
-                }
-                for (int32_t i = 0; i < n_member; ++i) { // per member row, every channel at once
-                    edgekv_to_f32(t->type, data + ((size_t) e.cells[ml[base + i]]*H + h)*row_bytes, x, hd);
+            }
+        } else {
+            for (int32_t h = 0; h < H; ++h) {
+                for (int32_t gi = 0; gi < n_group; ++gi) {
+                    const size_t base = ((size_t) h*n_group + gi)*n_member;
+                    const float * w = wl + base;
+                    float * o = y + ((size_t) h*n_group + gi)*hd;
                     for (int32_t d = 0; d < hd; ++d) {
-                        const float p = x[d]*w[i]; // ggml_mul, in F32
-                        acc[d] += (double) p;
+                        acc[d] = 0.0;
                     }
-                }
-                for (int32_t d = 0; d < hd; ++d) {
-                    o[d] = (float) acc[d];
+                    for (int32_t i = 0; i < n_member; ++i) { // per member row, every channel at once
+                        edgekv_to_f32(t->type, data + ((size_t) e.cells[ml[base + i]]*H + h)*row_bytes, x, hd);
+                        for (int32_t d = 0; d < hd; ++d) {
+                            const float p = x[d]*w[i]; // ggml_mul, in F32
+                            acc[d] += (double) p;
+                        }
+                    }
+                    for (int32_t d = 0; d < hd; ++d) {
+                        o[d] = (float) acc[d];
+                    }
                 }
             }
         }
-        // F16 rounds to nearest even, as the backend's set_rows does (with or without F16C)
+        // F16 rounds to nearest even, as the backend's set_rows does (with or without F16C);
+        // other types go through the CPU backend's own quantiser, the one its set_rows calls
+        const ggml_from_float_t quantize = ggml_get_type_traits_cpu(t->type)->from_float;
         const auto store = [&](const float * o, uint8_t * dst, int64_t m) {
             if (t->type == GGML_TYPE_F32) {
                 memcpy(dst, o, m*sizeof(float));
-            } else {
+            } else if (t->type == GGML_TYPE_F16) {
                 ggml_fp32_to_fp16_row(o, (ggml_fp16_t *) dst, m);
+            } else {
+                quantize(o, dst, m);
             }
         };
+        if (!trans) {
+            for (int32_t h = 0; h < H; ++h) {
+                for (int32_t gi = 0; gi < n_group; ++gi) {
+                    const uint32_t cell = e.cells[ml[((size_t) h*n_group + gi)*n_member]];
+                    store(y + ((size_t) h*n_group + gi)*hd, data + ((size_t) cell*H + h)*row_bytes, hd);
+                }
+            }
+            return;
+        }
+        // a transposed V: per channel row, every group's element converted in one call, then scattered
+        std::vector<uint32_t> cell(n_group);
+        std::vector<float> ys(n_group);
+        std::vector<uint8_t> out((size_t) n_group*el);
         for (int32_t h = 0; h < H; ++h) {
             for (int32_t gi = 0; gi < n_group; ++gi) {
-                const uint32_t cell = e.cells[ml[((size_t) h*n_group + gi)*n_member]];
-                const float * o = y + ((size_t) h*n_group + gi)*hd;
-                if (!trans) {
-                    store(o, data + ((size_t) cell*H + h)*row_bytes, hd);
-                    continue;
+                cell[gi] = e.cells[ml[((size_t) h*n_group + gi)*n_member]];
+            }
+            for (int32_t d = 0; d < hd; ++d) {
+                for (int32_t gi = 0; gi < n_group; ++gi) {
+                    ys[gi] = y[((size_t) h*n_group + gi)*hd + d];
                 }
-                for (int32_t d = 0; d < hd; ++d) {
-                    store(o + d, data + (((size_t) h*hd + d)*e.kv_size() + cell)*el, 1);
+                store(ys.data(), out.data(), n_group);
+                uint8_t * row = data + ((size_t) h*hd + d)*e.kv_size()*el;
+                for (int32_t gi = 0; gi < n_group; ++gi) {
+                    memcpy(row + (size_t) cell[gi]*el, out.data() + (size_t) gi*el, el);
                 }
             }
         }
@@ -839,16 +878,24 @@ int32_t llama_edgekv_seq_merge(
         return LLAMA_EDGEKV_ERR_UNSUPPORTED;
     }
 
-    // quantised types re-quantise as the backend does, and Apple's Accelerate sums rows in
-    // float in its own order: there the graph, so the bytes are always the graph's
+    // Apple's Accelerate sums rows in float in its own order: there the graph, so the bytes
+    // are always the graph's. Elsewhere a cache in host memory merges on the host, quantised
+    // types included: they are dequantised as get_rows does and re-quantised by the CPU
+    // backend's quantiser, as set_rows does, one head row (whole blocks) at a time.
 #if defined(__APPLE__)
     bool host = false;
 #else
     bool host = edgekv_host_cache(e);
 #endif
+    const auto host_type = [](const ggml_tensor * t, int32_t hd, bool trans) {
+        if (t->type == GGML_TYPE_F32 || t->type == GGML_TYPE_F16) {
+            return true;
+        }
+        return !trans && hd % ggml_blck_size(t->type) == 0 && ggml_get_type_traits(t->type)->to_float
+               && ggml_get_type_traits_cpu(t->type)->from_float;
+    };
     for (const auto & layer : e.layers()) {
-        host = host && (layer.k->type == GGML_TYPE_F32 || layer.k->type == GGML_TYPE_F16)
-                    && (layer.v->type == GGML_TYPE_F32 || layer.v->type == GGML_TYPE_F16);
+        host = host && host_type(layer.k, e.hd_k, false) && host_type(layer.v, e.hd_v, e.v_trans());
     }
     if (host) {
         llama_synchronize(ctx);
