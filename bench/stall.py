@@ -19,8 +19,8 @@ Methods that tally attention from the sequence's start (H2O) are left out: their
 tally would slow every decode of the shared session (``attention_cost`` measures H2O).
 Writes ``bench/results/stall.json`` (``stall_<model>.json`` for another ``--model``).
 ``--update`` replaces only the rows of the methods and cache types this run measures and
-keeps the others (each row records the command and the commit that measured it; the
-file's ``machine`` is the latest run's), so a costly method
+keeps the others (each row records the command, the commit and the CPU that measured it;
+the file's ``machine`` is the latest run's), so a costly method
 (KVzip: minutes per round) need not be run again after a change to another.
 """
 
@@ -74,7 +74,8 @@ def main() -> None:
     moments = any(methods[m].query_statistics for m in names)
     rows = []
     command = " ".join(["bench/stall.py", *sys.argv[1:]])
-    commit = machine()["commit"]  # per row: --update keeps rows measured at other commits
+    here = machine()
+    commit, cpu = here["commit"], here["cpu"]  # per row: --update keeps rows measured at other commits and on other CPUs
     for ct in a.cache_types.split(","):
         with Session(model, method="full", n_ctx=a.length + spare, chunk=512, cache_type_k=ct, cache_type_v=ct,
                      n_threads=a.threads, observe=observe, moments=moments) as s:
@@ -118,7 +119,7 @@ def main() -> None:
                           flush=True)
             for m, why in refused.items():
                 rows.append({"method": m, "cache_type": ct, "length": a.length, "refused": why, "command": command,
-                             "commit": commit})
+                             "commit": commit, "cpu": cpu})
             for m in [m for m in names if m not in refused]:
                 room, full = statistics.median(times[m]["room"]), statistics.median(times[m]["full"])
                 rows.append({"method": m, "cache_type": ct, "length": a.length, "ratio": a.ratio,
@@ -126,13 +127,14 @@ def main() -> None:
                              "first_token_s_room": round(room, 3), "first_token_s_full": round(full, 3),
                              "stall_s": round(full - room, 3),
                              "compress_s": round(statistics.median(times[m]["compress"]), 3), "raw": times[m],
-                             "command": command, "commit": commit})
+                             "command": command, "commit": commit, "cpu": cpu})
     model.close()
     name = a.out or ("stall" if a.model == "smollm2-135m" else f"stall_{Path(a.model).name.removesuffix('.gguf')}")
     if a.update and (RESULTS / f"{name}.json").exists():
         measured = {(r["method"], r["cache_type"]) for r in rows}
         old = json.loads((RESULTS / f"{name}.json").read_text())
-        kept = [{"commit": old["machine"].get("commit", "?"), **r} for r in old["rows"]
+        kept = [{"commit": old["machine"].get("commit", "?"), "cpu": old["machine"].get("cpu", "?"), **r}
+                for r in old["rows"]
                 if (r["method"], r["cache_type"]) not in measured]
         order = {(m, ct): i for i, (m, ct) in enumerate((m, ct) for ct in ("f16", "q8_0", "q4_0") for m in METHODS)}
         rows = sorted(kept + rows, key=lambda r: (order.get((r["method"].split(":")[0], r["cache_type"]), len(order)),
