@@ -40,6 +40,22 @@ def chunk_bounds(n: int, chunk: int) -> np.ndarray:
     return np.append(np.arange(k) * (n // k), n).astype(np.int64)
 
 
+def chunk_sums(x: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """float [k, d]: the sum of the rows of ``x`` [n, d] in each chunk ``bounds[i]:bounds[i+1]``.
+
+    Chunks of one length (every one but the last, as ``chunk_bounds`` cuts them) are summed
+    in one reduction over a reshaped view: ``np.add.reduceat`` along the rows pays a call per
+    chunk and column, which at 8k keys cost more than the rest of the clustering."""
+    sizes = np.diff(bounds)
+    if bounds[0] != 0 or bounds[-1] != x.shape[0] or (sizes[:-1] != sizes[0]).any() or (sizes <= 0).any():
+        return np.add.reduceat(x, bounds[:-1], axis=0)
+    k, c = sizes.size, int(sizes[0])
+    out = np.empty((k, x.shape[1]), x.dtype)
+    out[: k - 1] = x[: (k - 1) * c].reshape(k - 1, c, x.shape[1]).sum(axis=1)
+    out[k - 1] = x[(k - 1) * c :].sum(axis=0)
+    return out
+
+
 def irregularity(x: np.ndarray, bounds: np.ndarray) -> np.ndarray:
     """float [n]: (1 - cos(x_t, chunk mean)) / ||chunk std|| per row of ``x`` [n, d].
 
@@ -49,9 +65,9 @@ def irregularity(x: np.ndarray, bounds: np.ndarray) -> np.ndarray:
     n = x.shape[0]
     sizes = np.diff(bounds)
     label = np.repeat(np.arange(sizes.size), sizes)
-    mu = np.add.reduceat(x, bounds[:-1], axis=0) / sizes[:, None]
+    mu = chunk_sums(x, bounds) / sizes[:, None]
     dev = x - mu[label]
-    spread = np.sqrt(np.add.reduceat(dev * dev, bounds[:-1], axis=0).sum(axis=1) / sizes)  # ||sigma_m||
+    spread = np.sqrt(chunk_sums(dev * dev, bounds).sum(axis=1) / sizes)  # ||sigma_m||
     den = np.linalg.norm(x, axis=1) * np.linalg.norm(mu, axis=1)[label]
     dots = np.einsum("nd,nd->n", x, mu[label])
     cos = np.divide(dots, den, out=np.zeros(n), where=den > 0)
@@ -108,7 +124,11 @@ def prototypes(x: np.ndarray, labels: np.ndarray, n_groups: int) -> np.ndarray:
     present, starts = np.unique(labels[order], return_index=True)
     sums = np.add.reduceat(x[order], starts, axis=0)
     keep = (present >= 0) & (present < n_groups)
-    sums = sums[keep]
+    return unit_rows(sums[keep])
+
+
+def unit_rows(sums: np.ndarray) -> np.ndarray:
+    """The rows of ``sums`` scaled to unit length, rows of zero length left out."""
     norm = np.linalg.norm(sums, axis=1)
     return sums[norm > 0] / norm[norm > 0, None]
 
@@ -117,6 +137,7 @@ def prototypes(x: np.ndarray, labels: np.ndarray, n_groups: int) -> np.ndarray:
 # (d + 4) * 2**-24 * ||x|| * ||p|| of the exact one (p unit); float64's own is far below.
 _F32_SLACK = 2.0**-24
 _F64_SLACK = 2.0**-52
+_ASSIGN_ROWS = 512  # keys scored against the prototypes at a time
 
 
 def assign(x: np.ndarray, protos: np.ndarray) -> np.ndarray:
@@ -133,18 +154,23 @@ def assign(x: np.ndarray, protos: np.ndarray) -> np.ndarray:
     n, c = x.shape[0], protos.shape[0]
     if c <= 1:
         return np.zeros(n, dtype=np.int64)
-    s = x.astype(np.float32) @ protos.astype(np.float32).T
-    best = np.argmax(s, axis=1)
-    rows = np.arange(n)
-    top = s[rows, best].astype(np.float64)
-    s[rows, best] = -np.inf
-    second = s.max(axis=1).astype(np.float64)
+    p32 = protos.astype(np.float32).T
     d = x.shape[1]
-    bound = 2.0 * ((d + 4) * _F32_SLACK + (d + 2) * _F64_SLACK) * 1.01 * np.linalg.norm(x, axis=1)
-    unsure = np.flatnonzero(top - second <= bound)
-    if unsure.size:
-        best[unsure] = np.argmax(x[unsure] @ protos.T, axis=1)
-    return best.astype(np.int64)
+    # the bound only filters rows to decide again, so a norm rounded differently changes nothing
+    bound = 2.0 * ((d + 4) * _F32_SLACK + (d + 2) * _F64_SLACK) * 1.01 * np.sqrt(np.einsum("nd,nd->n", x, x))
+    best = np.empty(n, np.int64)
+    for lo in range(0, n, _ASSIGN_ROWS):  # a block of scores stays in cache for the three passes over it
+        s = x[lo : lo + _ASSIGN_ROWS].astype(np.float32) @ p32
+        rows = np.arange(s.shape[0])
+        b = np.argmax(s, axis=1)
+        top = s[rows, b].astype(np.float64)
+        s[rows, b] = -np.inf
+        second = s.max(axis=1).astype(np.float64)
+        unsure = np.flatnonzero(top - second <= bound[lo : lo + _ASSIGN_ROWS])
+        if unsure.size:
+            b[unsure] = np.argmax(x[lo + unsure] @ protos.T, axis=1)
+        best[lo : lo + s.shape[0]] = b
+    return best
 
 
 def cluster_mean(values: np.ndarray, labels: np.ndarray) -> np.ndarray:
@@ -181,8 +207,8 @@ def cluster_ids(x: np.ndarray, chunk: int, n_bits: int, p: int, w0: np.ndarray,
     irr = top_irregular(irregularity(x, bounds), p)
     regular = np.ones(n, dtype=bool)
     regular[irr] = False
-    chunk_of = np.repeat(np.arange(bounds.size - 1), np.diff(bounds))
-    reg = prototypes(x[regular], chunk_of[regular], bounds.size - 1)
+    # each chunk's regular keys: its sum with the irregular rows zeroed (adding 0.0 changes no sum)
+    reg = unit_rows(chunk_sums(np.where(regular[:, None], x, 0.0), bounds))
     xi = x[irr]
     irr_protos = prototypes(xi, lsh_buckets(xi, n_bits, rff_gamma(xi), w0, b), 1 << n_bits)
     protos = np.concatenate([reg, irr_protos])
