@@ -702,30 +702,21 @@ static bool edgekv_host_merge(const llama_edgekv_kv & e, int32_t n_group, int32_
         float * x = y + n_out;
         double * acc = (double *) (y + n_f);
         if (trans) { // per channel row: its members' elements, each times its weight (ggml_mul, in F32), summed
-            // every member of every group of one channel row is gathered, then converted in one
+            // every member of every group of one channel row is gathered and converted in one
             // call: member cells lie far apart in the row, and a call per group and channel
             // cost more than the arithmetic
-            const size_t n_el = (size_t) n_group*n_member;
+            const int32_t n_el = n_group*n_member;
             std::vector<uint32_t> at(n_el);
-            std::vector<uint8_t> raw(n_el*el);
+            std::vector<uint8_t> raw((size_t) n_el*el);
             std::vector<float> xs(n_el);
             for (int32_t h = 0; h < H; ++h) {
                 const size_t base0 = (size_t) h*n_el;
-                for (size_t i = 0; i < n_el; ++i) {
+                for (int32_t i = 0; i < n_el; ++i) {
                     at[i] = e.cells[ml[base0 + i]];
                 }
                 for (int32_t d = 0; d < hd; ++d) {
-                    const uint8_t * row = data + ((size_t) h*hd + d)*e.kv_size()*el;
-                    if (el == 2) {
-                        for (size_t i = 0; i < n_el; ++i) {
-                            memcpy(raw.data() + 2*i, row + 2*(size_t) at[i], 2);
-                        }
-                    } else {
-                        for (size_t i = 0; i < n_el; ++i) {
-                            memcpy(raw.data() + 4*i, row + 4*(size_t) at[i], 4);
-                        }
-                    }
-                    edgekv_to_f32(t->type, raw.data(), xs.data(), (int64_t) n_el);
+                    edgekv_vt_to_f32(t->type, el, data + ((size_t) h*hd + d)*e.kv_size()*el, at.data(), n_el,
+                                     false, raw.data(), xs.data());
                     for (int32_t gi = 0; gi < n_group; ++gi) {
                         const size_t g0 = (size_t) gi*n_member;
                         const float * w = wl + base0 + g0;
