@@ -9,13 +9,20 @@ own tokens fed back), medians over rounds:
   compressed (``--method``) to ``--cells`` cells, as ``edgekv bench speed`` does;
 - same allocation: ``--cells`` tokens prefilled into the same large n_ctx,
   never compressed;
-- fresh: ``--cells`` tokens prefilled into an n_ctx just large enough.
+- fresh: ``--cells`` tokens prefilled into an n_ctx just large enough;
+- moved: the compressed cache restored into a context as small as fresh's
+  (what a session that moved to a context of its size would decode at);
+- restored: the compressed cache restored into a new context as large as
+  compressed's (the layout it was left in, without the context's history).
 
 If "same allocation" decodes like "compressed", the gap to "fresh" is the
 allocation (strides of the cache tensors, a transposed V's rows ``n_ctx``
-cells apart), not what compression leaves behind.
+cells apart), not what compression leaves behind; "moved" then decodes like
+"fresh". ``--cache-type`` and ``--flash-attn`` choose the layout: f16 with
+flash attention off (edgekv's CPU default) holds V transposed, a quantised V
+needs flash attention and holds V in rows like K.
 
-    .venv/bin/edgekv bench run decode_allocation --length 8192 --cells 1024 --method knorm
+    .venv/bin/edgekv bench run decode_allocation --length 8192 --cells 1024 --method knorm --cache-type q8_0
 
 appends one JSON line to bench/results/decode_allocation.jsonl (``--out``).
 """
@@ -39,9 +46,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="decoded per session per round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--cache-type", default="f16", help="K and V cache type")
+    ap.add_argument("--flash-attn", default="auto", choices=("auto", "on", "off"))
     ap.add_argument("--out", type=Path, default=Path("bench/results/decode_allocation.jsonl"))
     a = ap.parse_args()
 
+    from edgekv.bench.results import machine
     from edgekv.bench.speed import decode_rate, long_text_tokens
     from edgekv.llama import Model
     from edgekv.models import resolve_model
@@ -51,7 +61,8 @@ def main() -> None:
     toks = long_text_tokens(model, a.length)
     room = a.tokens * a.rounds + 16
     big = a.length + room
-    kw = dict(n_threads=a.threads, chunk=512)
+    kw = dict(n_threads=a.threads, chunk=512, cache_type_k=a.cache_type, cache_type_v=a.cache_type,
+              flash_attn=a.flash_attn)
     comp = Session(model, method="full", n_ctx=big, **kw)
     comp.feed(toks)
     comp.use(a.method, scheduled=False)  # one-shot: LagKV's own schedule would compress during the decode
@@ -60,9 +71,15 @@ def main() -> None:
     same.feed(toks[:a.cells])
     fresh = Session(model, method="full", n_ctx=a.cells + room, **kw)
     fresh.feed(toks[:a.cells])
-    sessions = {"compressed": comp, "same allocation": same, "fresh": fresh}
-    print(f"cells: {comp.engine.n_cells} / {same.engine.n_cells} / {fresh.engine.n_cells}; "
-          f"n_ctx {comp.capacity} / {same.capacity} / {fresh.capacity}", flush=True)
+    saved, nxt = comp.save(), int(np.argmax(comp.logits()))
+    moved = Session(model, method="full", n_ctx=a.cells + room, **kw)
+    restored = Session(model, method="full", n_ctx=big, **kw)
+    for s in (moved, restored):
+        s.restore(saved)
+        s.feed([nxt])  # a restore keeps no logits: one token, the one comp decodes next
+    sessions = {"compressed": comp, "same allocation": same, "fresh": fresh, "moved": moved, "restored": restored}
+    print("; ".join(f"{k}: {s.engine.n_cells} cells in n_ctx {s.ctx.n_ctx}" for k, s in sessions.items())
+          + f"; flash attention {comp.ctx.flash_attn}", flush=True)
     secs: dict[str, list[float]] = {k: [] for k in sessions}
     for _ in range(a.rounds):
         t = dict.fromkeys(sessions, 0.0)
@@ -72,10 +89,12 @@ def main() -> None:
         for k in sessions:
             secs[k].append(t[k])
     out = {k: round(a.tokens / float(np.median(v)), 2) for k, v in secs.items()}
+    here = machine()
     row = json.dumps({"model": a.model, "length": a.length, "cells": a.cells, "method": a.method,
+                      "cache_type": a.cache_type, "flash_attn": comp.ctx.flash_attn,
                       "tokens": a.tokens, "rounds": a.rounds, "tok_s": out,
                       "fresh_ratio": {k: round(v / out["fresh"], 3) for k, v in out.items()},
-                      "date": time.strftime("%Y-%m-%d %H:%M:%S")})
+                      "date": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": here["commit"], "cpu": here["cpu"]})
     print(row)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     with open(a.out, "a") as f:
