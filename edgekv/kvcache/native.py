@@ -496,12 +496,23 @@ class NativeEngine:
         self._check(self.lib.llama_edgekv_seq_merge(self._c, self.seq, g, m, self._i32(np.ascontiguousarray(cells)),
                                                    self._f32(np.ascontiguousarray(weights))), "merge")
 
+    def rotate_queries(self, q: np.ndarray) -> np.ndarray:
+        """float32 ``q`` [..., head_dim_k] rotated like the cache's keys when llama.cpp
+        Hadamard-rotates them (a quantised K), so that q.k is the model's logit; else ``q``."""
+        q = np.asarray(q, np.float32)
+        r = self.ctx.k_rot
+        if r:
+            d = q.shape[-1]
+            q = (q.reshape(-1, d // r, r) @ hadamard(r)).reshape(q.shape)
+        return q
+
     def score(self, q: np.ndarray, q_pos: np.ndarray, kq_scale: float | None = None,
-              layers: list[int] | None = None) -> np.ndarray:
+              layers: list[int] | None = None, *, rotated: bool = False) -> np.ndarray:
         """Observation-window attention on the device.
 
         ``q`` float [n_layer, n_head, n_q, head_dim_k]: post-RoPE queries as the model
-        computes them (rotated here like the cache when llama.cpp rotates it);
+        computes them (rotated here like the cache when llama.cpp rotates it, unless
+        ``rotated``: ``rotate_queries`` did it once for many calls);
         ``q_pos`` their positions. Returns float32 [n_layer, n_kv_head, n_cells] in
         position order: per KV head, the sum over window queries and the group's query
         heads of softmax(kq_scale * q.k + bias), causal by position. Only ``layers``
@@ -511,9 +522,8 @@ class NativeEngine:
         n_layer, n_head, n_q, d = q.shape
         if n_layer != self.n_layer or d != self.head_dim_k or n_head % self.n_kv_head:
             raise EdgekvError(f"score: q must be [{self.n_layer}, k*{self.n_kv_head}, n_q, {self.head_dim_k}]")
-        if self.ctx.k_rot:
-            r = self.ctx.k_rot
-            q = (q.reshape(-1, d // r, r) @ hadamard(r)).reshape(q.shape)
+        if not rotated:
+            q = self.rotate_queries(q)
         q = np.ascontiguousarray(q)
         q_pos = np.ascontiguousarray(q_pos, dtype=np.int32)
         if q_pos.shape != (n_q,):
@@ -546,6 +556,7 @@ class NativeSnapshot(KVSnapshot):
     gen: int = field(kw_only=True, repr=False)  # the engine's generation when taken
     order: np.ndarray = field(kw_only=True, repr=False)  # cell ordinals in position order
     in_order: bool = field(kw_only=True, repr=False)  # cells already in position order (the usual case)
+    _rotated: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)  # (window queries, rotated)
 
     def _live(self) -> NativeEngine:
         if self.engine.generation != self.gen:
@@ -593,7 +604,10 @@ class NativeSnapshot(KVSnapshot):
         self._sqn.update(enumerate(self._live().key_sqnorms(cell_order=True)[:, :, self.order]))
 
     def _attention(self, layer: int, q: np.ndarray, q_pos: np.ndarray) -> np.ndarray:
-        return self._live().score(q, q_pos, self.kq_scale, layers=[layer])[layer]
+        eng = self._live()
+        if self._rotated is None or self._rotated[0] is not q:  # the window's queries, rotated once for all layers
+            self._rotated = (q, eng.rotate_queries(q))
+        return eng.score(self._rotated[1], q_pos, self.kq_scale, layers=[layer], rotated=True)[layer]
 
     def lag_scores(self, members: np.ndarray) -> np.ndarray | None:
         eng = self._live()

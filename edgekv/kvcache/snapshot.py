@@ -74,6 +74,7 @@ class KVSnapshot:
     _v: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
     _attn: dict[tuple[int, int], np.ndarray] = field(default_factory=dict, repr=False)
     _sqn: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+    _windows: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict, repr=False)
     # one caller at a time into the engine: a scorer may score several layers at once
     # (``ScorerMethod.parallel``), and llama.cpp's ops and the read buffers are not reentrant
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
@@ -171,10 +172,14 @@ class KVSnapshot:
         return np.log(self.counts[layer]) if self.bias and self.counts is not None else None
 
     def _window(self, n_queries: int) -> tuple[np.ndarray, np.ndarray]:
+        """The newest ``n_queries`` window queries, gathered once per snapshot: a scorer asks
+        layer by layer, and each gather copies every layer's queries."""
         if self.queries is None:
             raise EdgekvError("this method needs the observation window (queries), which the "
                               "engine is not recording")
-        return self.queries.last(n_queries)
+        if n_queries not in self._windows:
+            self._windows[n_queries] = self.queries.last(n_queries)
+        return self._windows[n_queries]
 
     def window_attention(self, layer: int, n_queries: int) -> np.ndarray:
         """float64 [n_kv_head, n_cells]: the attention the newest ``n_queries`` window
