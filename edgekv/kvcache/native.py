@@ -557,6 +557,10 @@ class NativeSnapshot(KVSnapshot):
     order: np.ndarray = field(kw_only=True, repr=False)  # cell ordinals in position order
     in_order: bool = field(kw_only=True, repr=False)  # cells already in position order (the usual case)
     _rotated: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)  # (window queries, rotated)
+    # layers read but not yet put in position order and unrotated ([H, n, d] as read): the
+    # thread that asks for a layer converts it, outside the lock, so scoring threads share it
+    _read_k: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+    _read_v: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
 
     def _live(self) -> NativeEngine:
         if self.engine.generation != self.gen:
@@ -578,8 +582,36 @@ class NativeSnapshot(KVSnapshot):
 
     def release(self, layer: int) -> None:
         with self._lock:
-            self._k.pop(layer, None)  # read again if asked, while the cache is unchanged
-            self._v.pop(layer, None)
+            for d in (self._k, self._v, self._read_k, self._read_v):
+                d.pop(layer, None)  # read again if asked, while the cache is unchanged
+
+    def prefetch(self, layer: int, values: bool = False) -> None:
+        with self._lock:
+            want_k = layer not in self._k and layer not in self._read_k
+            want_v = values and layer not in self._v and layer not in self._read_v
+            if want_k or want_v:
+                self._load(layer, want_k, want_v)
+
+    def keys(self, layer: int) -> np.ndarray:
+        return self._converted(layer, True)
+
+    def values(self, layer: int) -> np.ndarray:
+        return self._converted(layer, False)
+
+    def _converted(self, layer: int, keys: bool) -> np.ndarray:
+        """``layer``'s K or V in position order, unrotated: read under the lock if it was not
+        (with K when asking V and K is not there either: one device call), converted here."""
+        done, read = (self._k, self._read_k) if keys else (self._v, self._read_v)
+        with self._lock:
+            if layer in done:
+                return done[layer]
+            if layer not in read:
+                self.prefetch(layer, values=not keys)
+            x = read[layer]
+        x = self._cells_major(x, self.engine.ctx.k_rot if keys else self.engine.ctx.v_rot)
+        with self._lock:
+            read.pop(layer, None)
+            return done.setdefault(layer, x)  # another thread may have converted it meanwhile
 
     def _load(self, layer: int, keys: bool, values: bool) -> None:
         """Read ``layer`` and the layers after it, up to ``READ_BYTES``, in one device call:
@@ -589,15 +621,16 @@ class NativeSnapshot(KVSnapshot):
         per_layer = 4 * self.n_cells * self.n_kv_head * (keys * self.head_dim_k + values * self.head_dim_v)
         stop = layer + 1
         while (stop < min(self.n_layer, layer + READ_BYTES // max(per_layer, 1))
-               and not (keys and stop in self._k) and not (values and stop in self._v)):
+               and not (keys and (stop in self._k or stop in self._read_k))
+               and not (values and (stop in self._v or stop in self._read_v))):
             stop += 1  # up to the first layer already read
         layers = range(layer, stop)
         k, v = eng.read(layers, cell_order=True, keys=keys, values=values)
         for i, at in enumerate(layers):
             if k is not None:
-                self._k[at] = self._cells_major(k[i], eng.ctx.k_rot)
+                self._read_k[at] = k[i]
             if v is not None:
-                self._v[at] = self._cells_major(v[i], eng.ctx.v_rot)
+                self._read_v[at] = v[i]
 
     def _key_sqnorms(self, layer: int) -> None:
         """Every layer's sums in one device graph: a few ms where a read costs tens."""

@@ -142,6 +142,14 @@ class KVSnapshot:
         and V given to ``from_arrays`` cannot be read again, so this base keeps them."""
 
     # -- what methods read -------------------------------------------------------
+    def prefetch(self, layer: int, values: bool = False) -> None:
+        """Bring ``layer``'s K (and V) from the engine without handing them out: a parallel
+        scorer's reading thread calls it, so that an engine which converts what it read
+        (the native one undoes llama.cpp's rotation) leaves that work to the scoring threads."""
+        if values:
+            self.values(layer)
+        self.keys(layer)
+
     def keys(self, layer: int) -> np.ndarray:
         """float32 [n_cells, n_kv_head, head_dim_k] (post-RoPE, as cached)."""
         with self._lock:

@@ -148,7 +148,7 @@ def match(snap: KVSnapshot, middle: np.ndarray, chunk: int, m: int) -> tuple[np.
         return (np.take_along_axis(cells, a[top], axis=1),
                 np.take_along_axis(cells, np.take_along_axis(b, top, axis=1), axis=1))
 
-    for layer, pair in map_layers(one, L, parallel=True, fetch=snap.keys):
+    for layer, pair in map_layers(one, L, parallel=True, fetch=snap.prefetch):
         if pair is None:
             return None, None
         src[layer], dst[layer] = pair

@@ -54,9 +54,7 @@ class ExpectedAttention(ScorerMethod):
             raise ValueError(f"epsilon must not be negative, got {self.epsilon}")
 
     def fetch(self, snap: KVSnapshot, layer: int) -> None:
-        snap.keys(layer)
-        if self.use_vnorm:
-            snap.values(layer)
+        snap.prefetch(layer, values=self.use_vnorm)
 
     def score(self, snap: KVSnapshot, layer: int) -> np.ndarray:
         m = snap.moments

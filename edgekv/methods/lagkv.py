@@ -302,17 +302,20 @@ def retained_cells(n_tokens: int, sinks: int, L: int, k: int) -> int:
 def _each_layer(snap: KVSnapshot, fn: Callable[[int], None]) -> None:
     """``fn(layer)`` for every layer, on all of the host's cores: the compression runs
     while llama.cpp's threads wait, and the scoring kernel releases the GIL. The K/V
-    reads happen here first, one caller at a time (a native read is a device call)."""
+    reads happen here first, one caller at a time (a native read is a device call); the
+    workers put them in order and undo llama.cpp's rotation of a quantised cache."""
     for layer in range(snap.n_layer):
-        snap.values(layer)  # V first: K comes with it, one device read instead of two
-        snap.keys(layer)
+        snap.prefetch(layer, values=True)  # K and V in one device read; fn converts them
     global _pool
     with _pool_lock:
         if _pool is None:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
             _pool = ThreadPoolExecutor(max_workers=cores or 1, thread_name_prefix="edgekv-lagkv")
-    for _ in _pool.map(fn, range(snap.n_layer)):  # re-raises a worker's exception
-        pass
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=1, user_api="blas"):  # fn's unrotations: one BLAS thread each
+        for _ in _pool.map(fn, range(snap.n_layer)):  # re-raises a worker's exception
+            pass
 
 
 _pool: ThreadPoolExecutor | None = None

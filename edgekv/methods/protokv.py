@@ -258,7 +258,7 @@ class ProtoKV(ScorerMethod):
     def fetch(self, snap: KVSnapshot, layer: int) -> None:
         if snap.n_cells > self.window:
             snap.window_attention(layer, self.window)
-            snap.keys(layer)
+            snap.prefetch(layer)
 
     def score(self, snap: KVSnapshot, layer: int) -> np.ndarray:
         n = snap.n_cells
