@@ -167,6 +167,36 @@ def test_native_read_matches_state_snapshot(smollm2, toks, ck, cv, fa) -> None:
     ctx.close()
 
 
+def test_layers_prefetched_then_converted_by_many_threads_equal_one_threads(smollm2, toks) -> None:
+    # a snapshot reads on one thread (prefetch) and the scoring threads put each layer in
+    # order and undo llama.cpp's rotation: the same floats as reading and converting in
+    # turn, one array per layer however many threads ask, K and V each with its own block
+    from concurrent.futures import ThreadPoolExecutor
+
+    ctx = _ctx(smollm2, "q8_0", "q8_0", "on")
+    state, native = StateEngine(ctx), NativeEngine(ctx)
+    prefill(native, toks)
+    state.tokens = native.tokens
+    assert ctx.k_rot and ctx.v_rot  # a quantised cache llama.cpp rotates
+    native.compact(_keep(np.random.default_rng(4), smollm2.arch.n_layer, smollm2.arch.n_head_kv, native.n_cells, 120))
+    L = smollm2.arch.n_layer
+    one = native.snapshot()
+    want = [(one.keys(il).copy(), one.values(il).copy()) for il in range(L)]
+    snap = native.snapshot()
+    for il in range(L):
+        snap.prefetch(il, values=True)
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda il: (il, snap.values(il), snap.keys(il)), [il for il in range(L) for _ in range(3)]))
+    for il, v, k in got:
+        assert k is snap.keys(il) and v is snap.values(il)
+        assert np.array_equal(k, want[il][0]) and np.array_equal(v, want[il][1]), il
+    ref = state.snapshot()
+    for il in (0, L - 1):
+        np.testing.assert_allclose(snap.keys(il), ref.keys(il), rtol=0, atol=1e-5)
+        np.testing.assert_allclose(snap.values(il), ref.values(il), rtol=0, atol=1e-5)
+    ctx.close()
+
+
 @pytest.mark.parametrize(("ck", "cv", "fa"), [("f16", "f16", "off"), ("q8_0", "q8_0", "on"), ("f16", "bf16", "off")],
                          ids=["f16-fa_off", "q8_0-fa_on", "f16-bf16-fa_off"])
 def test_a_read_of_many_layers_equals_reads_of_one(smollm2, toks, ck, cv, fa, monkeypatch) -> None:
