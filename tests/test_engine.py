@@ -8,7 +8,8 @@ import pytest
 from _helpers import prefill
 
 from edgekv.errors import EdgekvError, StateLayoutError
-from edgekv.kvcache import CacheState, StateEngine, layout
+from edgekv.kvcache import CacheState, StateEngine, layout, quant
+from edgekv.kvcache.snapshot import hadamard, unrotate
 from edgekv.llama import Context
 
 pytestmark = pytest.mark.kernels  # bit-exact logits after round trips through quantised caches
@@ -138,6 +139,26 @@ def test_wrong_state_blobs_are_refused_without_loss(smollm2, toks) -> None:
     assert ctx.state_get() == good.blob
     ctx.close()
     q8ctx.close()
+
+
+@pytest.mark.parametrize("block", [64, 128])
+def test_unrotate_is_the_exact_product_rounded_once(block: int) -> None:
+    """unrotate computes x @ H with sums that are exact here (float32 rows; q8_0 rows hold
+    fewer bits still), so it must equal the float64 product, in any order BLAS adds it,
+    scaled and rounded once: one answer on every CPU, which the native lag kernel gives too."""
+    rng = np.random.default_rng(block)
+    x = rng.standard_normal((257, 3 * block)).astype(np.float32)  # 257: a partial tile of rows
+    q8 = quant.type_by_name("q8_0").id
+    x[5] = quant.dequantize(quant.quantize(x[5:6], q8), q8, 3 * block)[0]  # a q8_0 row
+    signs = np.sign(hadamard(block)).astype(np.float64)
+    exact = (x.reshape(-1, block).astype(np.float64) @ signs) * (1.0 / np.sqrt(np.float64(block)))
+    got = unrotate(x, block)
+    assert got.dtype == np.float32 and got.shape == x.shape
+    assert np.array_equal(got, exact.astype(np.float32).reshape(x.shape))
+    assert np.allclose(got, (x.reshape(-1, block) @ hadamard(block)).reshape(x.shape), atol=1e-5)
+    assert np.allclose(unrotate(got, block), x, atol=1e-5)  # H is its own inverse
+    assert np.array_equal(unrotate(x.T.copy().T, block), got)  # any memory layout
+    assert unrotate(x, 0) is x
 
 
 def test_quantised_cache_snapshot_undoes_hadamard_rotation(smollm2, toks) -> None:

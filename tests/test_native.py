@@ -18,6 +18,7 @@ from edgekv.errors import EdgekvError
 from edgekv.kvcache import CacheState, StateEngine, layout, native_available
 from edgekv.kvcache import native as native_mod
 from edgekv.kvcache.native import NativeEngine, NativeUnsupported, ReadBuffers, load
+from edgekv.kvcache.snapshot import unrotate
 from edgekv.llama import Context
 from edgekv.methods import get_method, lagkv
 from edgekv.session import Session
@@ -503,22 +504,25 @@ def _groups(rng: np.random.Generator, L: int, H: int, n: int, g: int, w: int) ->
                          ids=["f16", "bf16-vt", "f32-vt", "f16-fa", "q8_0-fa", "q8_0-vt"])
 def test_device_lag_scores_are_the_kernels_doubles(smollm2, toks, ck, cv, fa, monkeypatch) -> None:
     # LagKV's scores computed in the cache's memory equal, to the last bit, the compiled
-    # kernel's on the K/V read out, as stored (rotated where llama.cpp rotates), for groups
-    # of cells that differ per head after a compaction, with empty and padded groups
+    # kernel's on the K/V read out and unrotated where llama.cpp rotates them (the kernel
+    # undoes the rotation with the same float64 butterflies as the snapshot's unrotate),
+    # for groups of cells that differ per head after a compaction, with empty and padded groups
     ctx, eng = _prefilled(smollm2, toks, ck, cv, fa)
+    assert bool(ctx.k_rot) == (ck == "q8_0") and bool(ctx.v_rot) == (cv == "q8_0")  # both paths are run
     L, H = smollm2.arch.n_layer, smollm2.arch.n_head_kv
     rng = np.random.default_rng(11)
     eng.compact(_keep(rng, L, H, eng.n_cells, 150))
     members = _groups(rng, L, H, eng.n_cells, 5, 24)  # cell order
     got = eng.lag_scores(members)
     k, v = eng.read(range(L), cell_order=True)
+    k, v = unrotate(k, ctx.k_rot), unrotate(v, ctx.v_rot)  # [L, H, n, d]: a block lies in a head
     for il in range(L):
         want = lagkv.group_scores(k[il].transpose(1, 0, 2), v[il].transpose(1, 0, 2), members[il])
         assert np.array_equal(got[il], want), il
     assert np.isneginf(got).any() and (got[np.isfinite(got)] >= 0).all()  # padding; softmax sums
-    # the snapshot serves them where the read would return K/V as the model computed them
+    # the snapshot serves them, for a rotated cache too
     snap = eng.snapshot()
-    assert (snap.lag_scores(members) is None) == bool(ctx.k_rot or ctx.v_rot)
+    assert np.array_equal(snap.lag_scores(members), got)
     monkeypatch.setenv("EDGEKV_GRAPH_OPS", "1")  # the path of a cache outside host memory
     with pytest.raises(NativeUnsupported):
         eng.lag_scores(members)
@@ -526,12 +530,15 @@ def test_device_lag_scores_are_the_kernels_doubles(smollm2, toks, ck, cv, fa, mo
     ctx.close()
 
 
-@pytest.mark.parametrize(("budget", "compacted"), [(None, False), (300, False), (None, True), (300, True)])
-def test_lagkv_keeps_the_same_cells_on_both_engines(smollm2, toks, budget, compacted) -> None:
+@pytest.mark.parametrize(("budget", "compacted", "ct"), [(None, False, "f16"), (300, False, "f16"),
+                                                         (None, True, "f16"), (300, True, "f16"),
+                                                         (None, False, "q8_0"), (300, True, "q8_0")])
+def test_lagkv_keeps_the_same_cells_on_both_engines(smollm2, toks, budget, compacted, ct) -> None:
     # the native engine scores in the cache's memory, the state engine from K/V it reads:
     # the same ranks, so the same selection, through LagKV's step (an intact cache: its
-    # partitions are consecutive cells) and its shrink (after a per-head compaction)
-    ctx = _ctx(smollm2, "f16", "f16", "off")
+    # partitions are consecutive cells) and its shrink (after a per-head compaction);
+    # on q8_0 both undo llama.cpp's rotation, the kernel and the state engine's snapshot
+    ctx = _ctx(smollm2, ct, ct, "off" if ct == "f16" else "on")
     state, native = StateEngine(ctx), NativeEngine(ctx)
     prefill(native, (toks * 3)[:480])
     state.tokens = native.tokens

@@ -50,7 +50,7 @@ _ERRORS = {
 }
 
 
-NATIVE_API = 7  # the patch set version (LLAMA_EDGEKV_API_VERSION) these bindings are written for
+NATIVE_API = 8  # the patch set version (LLAMA_EDGEKV_API_VERSION) these bindings are written for
 READ_BYTES = 32 << 20  # float32 K+V one native read brings back at most (its device output buffer)
 
 
@@ -644,8 +644,6 @@ class NativeSnapshot(KVSnapshot):
 
     def lag_scores(self, members: np.ndarray) -> np.ndarray | None:
         eng = self._live()
-        if eng.ctx.k_rot or eng.ctx.v_rot:
-            return None  # LagKV's per-channel statistics need the unrotated K/V of a read
         try:
             cells = members if self.in_order else np.where(members >= 0, self.order[np.maximum(members, 0)], -1)
             return eng.lag_scores(cells)

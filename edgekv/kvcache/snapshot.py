@@ -24,6 +24,7 @@ from functools import cache
 from typing import ClassVar
 
 import numpy as np
+from numba import njit
 
 from ..errors import EdgekvError
 from . import layout
@@ -301,8 +302,50 @@ def hadamard(n: int) -> np.ndarray:
 
 def unrotate(x: np.ndarray, block: int) -> np.ndarray:
     """Undo llama.cpp's Walsh-Hadamard rotation of quantised caches (H is its own inverse)
-    on ``x`` [..., channels], each run of ``block`` channels one rotated block, as one
-    matrix product; ``block`` 0: not rotated."""
+    on ``x`` [..., channels], each run of ``block`` channels one rotated block; ``block``
+    0: not rotated. float32 out.
+
+    Computed as one exact recipe rather than a matrix product, so that every CPU and
+    the native lag kernel (``llama_edgekv_seq_lag_scores``) get the same floats: the
+    fast Walsh-Hadamard butterflies in float64 (sums of +-x, exact for dequantised
+    q8_0/q4_0 rows in all but extreme scale spreads), then one multiplication by
+    1/sqrt(block) and one rounding to float32. A BLAS float32 product rounds at every
+    step, in an order that differs between OpenBLAS's AMD and Intel kernels."""
     if not block:
         return x
-    return (x.reshape(-1, block) @ hadamard(block)).reshape(x.shape)
+    rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, block)
+    out = np.empty_like(rows)
+    _unrotate_rows(rows, out)
+    return out.reshape(x.shape)
+
+
+_UNROTATE_TILE = 32  # rows butterflied together: the innermost loop runs over them (SIMD lanes)
+
+
+@njit(cache=True, nogil=True)
+def _unrotate_rows(x, out):  # pragma: no cover - compiled
+    """out[i] = x[i] @ H for float32 rows x [n, block]: H x by butterflies (a, b) -> (a + b,
+    a - b) with the stride 1, 2, 4, ... in float64, then times 1/sqrt(block), rounded
+    once. Tiles of rows are held channel-major so that each butterfly is a run of lanes;
+    every element still sees the same operations in the same order."""
+    n, block = x.shape
+    scale = 1.0 / np.sqrt(np.float64(block))
+    t = np.empty((block, _UNROTATE_TILE))
+    for r0 in range(0, n, _UNROTATE_TILE):
+        m = min(_UNROTATE_TILE, n - r0)
+        for i in range(m):
+            for c in range(block):
+                t[c, i] = x[r0 + i, c]
+        h = 1
+        while h < block:
+            for j0 in range(0, block, 2 * h):
+                for j in range(j0, j0 + h):
+                    for i in range(m):
+                        a = t[j, i]
+                        b = t[j + h, i]
+                        t[j, i] = a + b
+                        t[j + h, i] = a - b
+            h *= 2
+        for i in range(m):
+            for c in range(block):
+                out[r0 + i, c] = np.float32(t[c, i] * scale)

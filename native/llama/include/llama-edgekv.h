@@ -25,7 +25,8 @@ extern "C" {
 //   5: llama_edgekv_seq_key_sqnorms
 //   6: llama_edgekv_seq_read reads a run of layers in one graph
 //   7: llama_edgekv_seq_lag_scores
-#define LLAMA_EDGEKV_API_VERSION 7
+//   8: llama_edgekv_seq_lag_scores undoes llama.cpp's Hadamard rotation of a quantised cache
+#define LLAMA_EDGEKV_API_VERSION 8
 
 // what every op returns: LLAMA_EDGEKV_OK (or a count, where documented) or an error
 enum llama_edgekv_status {
@@ -148,7 +149,9 @@ LLAMA_API int32_t llama_edgekv_seq_key_sqnorms(
 // n_group is a reference only). A group's members end at its first -1; padding scores
 // -INFINITY, a group without a reference scores uniformly, a non-finite row scores 0.
 // float64, in the order of edgekv's reference kernel, so the scores are the same doubles.
-// K/V are taken as stored: for a cache llama.cpp Hadamard-rotates they are not LagKV's.
+// Where llama.cpp Hadamard-rotates a quantised K or V, the rows are unrotated first, as
+// edgekv's reference does it: fast Walsh-Hadamard butterflies in float64, times
+// 1/sqrt(block), rounded once to float.
 // LLAMA_EDGEKV_ERR_UNSUPPORTED where the cache is not in host memory (read K and V instead).
 LLAMA_API int32_t llama_edgekv_seq_lag_scores(
         struct llama_context * ctx,

@@ -174,6 +174,24 @@ struct llama_edgekv_kv {
         return LLAMA_EDGEKV_OK;
     }
 
+    // the Hadamard block llama.cpp rotates K rows by, 0 if it does not (a quantised K): the
+    // largest power of two from 64 that divides the head, as llama_kv_cache::build_input_k_rot
+    int32_t k_rot() const {
+        if (!kv->attn_rot_k) {
+            return 0;
+        }
+        int32_t r = 64;
+        while (2*r <= hd_k && kv->n_embd_head_k_all % (2*r) == 0) {
+            r *= 2;
+        }
+        return r;
+    }
+
+    // the same for V rows: always 64 (llama_kv_cache::build_input_v_rot)
+    int32_t v_rot() const {
+        return kv->attn_rot_v ? 64 : 0;
+    }
+
     // 0 or an error code: init() plus the sequence owns every used cell and no shift is pending
     int32_t init_seq(llama_context * lctx, llama_seq_id seq_id) {
         const int32_t rc = init(lctx);
@@ -1576,20 +1594,58 @@ static void edgekv_lag_group(const float * x, const float * ref, int32_t hd, int
     }
 }
 
+// undo llama.cpp's Hadamard rotation of n rows held channel-major, x[c*n + w] (each run of
+// block channels one rotated block), exactly as edgekv's reference (unrotate in
+// edgekv/kvcache/snapshot.py): butterflies (a, b) -> (a + b, a - b) with the stride 1, 2,
+// 4, ... in float64, then times 1/sqrt(block), rounded once to float. The loops over rows
+// vectorise; every element sees the same operations in the same order.
+static void edgekv_unrotate_cm(float * x, int32_t hd, int32_t n, int32_t block, std::vector<double> & t) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+    const double scale = 1.0 / std::sqrt((double) block);
+    t.resize((size_t) block*n);
+    for (int32_t b0 = 0; b0 < hd; b0 += block) {
+        float * xb = x + (size_t) b0*n;
+        for (size_t i = 0; i < (size_t) block*n; ++i) {
+            t[i] = xb[i];
+        }
+        for (int32_t h = 1; h < block; h *= 2) {
+            for (int32_t j0 = 0; j0 < block; j0 += 2*h) {
+                for (int32_t j = j0; j < j0 + h; ++j) {
+                    double * a = t.data() + (size_t) j*n;
+                    double * b = t.data() + (size_t) (j + h)*n;
+                    for (int32_t w = 0; w < n; ++w) {
+                        const double u = a[w], v = b[w];
+                        a[w] = u + v;
+                        b[w] = u - v;
+                    }
+                }
+            }
+        }
+        for (size_t i = 0; i < (size_t) block*n; ++i) {
+            xb[i] = (float) (t[i]*scale);
+        }
+    }
+}
+
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC pop_options
 #endif
 
 // the rows of one head's groups of members as F32, each group channel-major and packed:
 // group g's channel d at out[off[g]*hd + d*count[g] + w]
-static void edgekv_lag_rows(const llama_edgekv_kv & e, const ggml_tensor * t, bool transposed, int32_t h, int32_t hd,
-                            const int32_t * mem, const int32_t * count, const int32_t * off, int32_t n_rows,
-                            int32_t width, float * out, std::vector<float> & buf) {
+// (unrotated where rot, the Hadamard block of a rotated K or V, is not 0; a transposed V
+// is never rotated: only a quantised V is, and that cannot be transposed)
+static void edgekv_lag_rows(const llama_edgekv_kv & e, const ggml_tensor * t, bool transposed, int32_t rot, int32_t h,
+                            int32_t hd, const int32_t * mem, const int32_t * count, const int32_t * off,
+                            int32_t n_rows, int32_t width, float * out, std::vector<float> & buf) {
     const int32_t H = e.n_head_kv;
     const uint32_t * cells = e.cells.data();
     if (!transposed) {
         const size_t row_bytes = ggml_row_size(t->type, hd);
         buf.resize(hd);
+        std::vector<double> work;
         for (int32_t g = 0; g < n_rows; ++g) {
             float * o = out + (size_t) off[g]*hd;
             for (int32_t w = 0; w < count[g]; ++w) {
@@ -1598,6 +1654,9 @@ static void edgekv_lag_rows(const llama_edgekv_kv & e, const ggml_tensor * t, bo
                 for (int32_t d = 0; d < hd; ++d) {
                     o[(size_t) d*count[g] + w] = buf[d];
                 }
+            }
+            if (rot && count[g]) {
+                edgekv_unrotate_cm(o, hd, count[g], rot, work);
             }
         }
         return;
@@ -1655,6 +1714,10 @@ int32_t llama_edgekv_seq_lag_scores(
     if (!edgekv_host_cache(e)) {
         return LLAMA_EDGEKV_ERR_UNSUPPORTED;
     }
+    const int32_t k_rot = e.k_rot(), v_rot = e.v_rot();
+    if ((k_rot && e.hd_k % k_rot != 0) || (v_rot && (e.hd_v % v_rot != 0 || e.v_trans()))) {
+        return LLAMA_EDGEKV_ERR_UNSUPPORTED;
+    }
     llama_synchronize(ctx);
     // one (layer, head) per item: its groups' K and V rows converted once (each group is
     // the next one's reference), then scored
@@ -1675,8 +1738,9 @@ int32_t llama_edgekv_seq_lag_scores(
         float * kx = (float *) tmp.data();
         float * vx = kx + nk;
         std::vector<float> buf;
-        edgekv_lag_rows(e, layer.k, false, h, e.hd_k, mem, count.data(), off.data(), n_group + 1, width, kx, buf);
-        edgekv_lag_rows(e, layer.v, e.v_trans(), h, e.hd_v, mem, count.data(), off.data(), n_group + 1, width, vx, buf);
+        edgekv_lag_rows(e, layer.k, false, k_rot, h, e.hd_k, mem, count.data(), off.data(), n_group + 1, width, kx, buf);
+        edgekv_lag_rows(e, layer.v, e.v_trans(), v_rot, h, e.hd_v, mem, count.data(), off.data(), n_group + 1, width, vx,
+                        buf);
         std::vector<double> sk(width), sv(width), work;
         for (int32_t g = 0; g < n_group; ++g) {
             double * o = out + ((size_t) item*n_group + g)*width;
