@@ -17,9 +17,12 @@ above, when the C sources did not change between the two). When they did, give t
 checkout its own build: a copy of ``.venv`` with the old wheel installed and the old
 checkout's bindings built by it, passed as ``--old-python``:
 
-    cp -a .venv /tmp/oldvenv && /tmp/oldvenv/bin/pip install --force-reinstall --no-deps OLD_WHEEL
+    cp -a .venv /tmp/oldvenv && /tmp/oldvenv/bin/python -m pip install --force-reinstall --no-deps OLD_WHEEL
     (cd /tmp/old && /tmp/oldvenv/bin/python native/build_native.py)
     .venv/bin/edgekv bench run ab_compress --old /tmp/old --old-python /tmp/oldvenv/bin/python ...
+
+(``python -m pip``, not the copy's ``bin/pip``: a copied venv's scripts still name the
+original interpreter, so its ``pip`` would reinstall the old wheel into ``.venv``.)
 
 Each compression also reports a digest of the cache's state blob, so the results say
 whether the two checkouts left the same bytes (``same_state``). Writes

@@ -19,6 +19,7 @@ Run by ``scripts/setup.sh``; by hand: ``.venv/bin/python native/build_native.py`
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 import sysconfig
 from pathlib import Path
@@ -44,7 +45,7 @@ int32_t llama_edgekv_bias_enable(struct llama_context * ctx);
 bool    llama_edgekv_bias_enabled(struct llama_context * ctx);
 int32_t llama_edgekv_seq_bias_get(struct llama_context * ctx, llama_seq_id seq_id, float * bias, int32_t n);
 int32_t llama_edgekv_seq_bias_set(struct llama_context * ctx, llama_seq_id seq_id, const float * bias, int32_t n);
-int32_t llama_edgekv_seq_read(struct llama_context * ctx, llama_seq_id seq_id, int32_t il, int32_t n_layers, float * k, float * v, int32_t n);
+int32_t llama_edgekv_seq_read(struct llama_context * ctx, llama_seq_id seq_id, int32_t il, int32_t n_layers, float * k, float * v, int32_t n, bool unrotate);
 int32_t llama_edgekv_seq_score(struct llama_context * ctx, llama_seq_id seq_id, int32_t n_head, int32_t n_q,
                               const float * q, const llama_pos * q_pos, float kq_scale,
                               const int32_t * layers, int32_t n_layers, float * out, int32_t n);
@@ -95,7 +96,11 @@ def _compile(module: str, cdef: str, source: str, libraries: list[str], sources:
     )
     so = Path(ffi.compile(tmpdir=str(ROOT / "build" / "native"), verbose=False))
     dest = ROOT / "edgekv" / so.name
-    dest.write_bytes(so.read_bytes())
+    # a new file renamed over the old one: writing into the old file would change the code
+    # under a process that has it loaded (a running sweep), which then crashes
+    part = dest.with_name(dest.name + ".part")
+    part.write_bytes(so.read_bytes())
+    os.replace(part, dest)
     return dest
 
 
@@ -113,7 +118,7 @@ def build() -> Path:
     return _compile(
         "_edgekv_native", CDEF,
         '#include "llama-edgekv.h"\n'
-        "#if LLAMA_EDGEKV_API_VERSION < 6\n#error edgekv needs patch set v6 or later\n#endif\n",
+        "#if LLAMA_EDGEKV_API_VERSION < 8\n#error edgekv needs patch set v8 or later\n#endif\n",
         ["llama"],
     )
 

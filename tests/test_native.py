@@ -5,6 +5,7 @@ host references, and refusal of bad arguments without touching the cache."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
@@ -231,22 +232,30 @@ def test_a_read_of_many_layers_equals_reads_of_one(smollm2, toks, ck, cv, fa, mo
                          ids=["f16-fa_off", "f16-f32-fa_off", "q8_0-fa_on"])
 def test_host_read_of_cells_with_holes_equals_the_graph(smollm2, toks, ck, cv, fa, monkeypatch) -> None:
     # cells freed in the middle of the sequence: the host path gathers a transposed V cell by
-    # cell there instead of converting runs, and must still match the graph bit for bit
+    # cell there instead of converting runs, and must still match the graph bit for bit; read
+    # unrotated (q8_0), both paths give the rows as stored unrotated by the snapshot's recipe
     ctx, eng = _prefilled(smollm2, toks, ck, cv, fa)
     n0 = eng.n_cells
     assert ctx.seq_rm(0, 40, 97) and ctx.seq_rm(0, 130, 131)  # holes, cells still ascending
     n = n0 - 58
     L, H, d = smollm2.arch.n_layer, smollm2.arch.n_head_kv, eng.head_dim_v
     out = {}
-    for path in ("0", "1"):
+    for path, unrot in itertools.product(("0", "1"), (False, True)):
         monkeypatch.setenv("EDGEKV_GRAPH_OPS", path)
         k = np.full(L * H * n * d, np.nan, np.float32)
         v = np.full(L * H * n * d, np.nan, np.float32)
         assert eng.lib.llama_edgekv_seq_read(eng._c, 0, 0, L, eng.ffi.from_buffer("float[]", k),
-                                             eng.ffi.from_buffer("float[]", v), n) == 0
-        out[path] = k, v
-    assert np.isfinite(out["0"][1]).all() and np.isfinite(out["0"][0]).all()
-    assert np.array_equal(out["0"][0], out["1"][0]) and np.array_equal(out["0"][1], out["1"][1])
+                                             eng.ffi.from_buffer("float[]", v), n, unrot) == 0
+        out[path, unrot] = k, v
+    stored, unrotated = out["0", False], out["0", True]
+    assert np.isfinite(stored[1]).all() and np.isfinite(stored[0]).all()
+    for unrot in (False, True):
+        assert np.array_equal(out["0", unrot][0], out["1", unrot][0])
+        assert np.array_equal(out["0", unrot][1], out["1", unrot][1])
+    assert bool(ctx.k_rot) == (ck == "q8_0") and bool(ctx.v_rot) == (cv == "q8_0")
+    assert np.array_equal(unrotated[0], unrotate(stored[0].reshape(-1, d), ctx.k_rot).ravel())
+    assert np.array_equal(unrotated[1], unrotate(stored[1].reshape(-1, d), ctx.v_rot).ravel())
+    assert np.array_equal(unrotated[0], stored[0]) == (not ctx.k_rot)
     ctx.close()
 
 
@@ -575,9 +584,9 @@ def test_bad_arguments_are_refused_and_cache_kept(smollm2, toks) -> None:
     pos[4] = pos[3]  # not increasing
     assert lib.llama_edgekv_seq_compact(c, 0, 10, ffi.from_buffer("int32_t[]", keep), ffi.from_buffer("int32_t[]", pos)) == -2
     assert lib.llama_edgekv_seq_compact(c, 0, n + 1, ffi.from_buffer("int32_t[]", keep), ffi.from_buffer("int32_t[]", pos)) == -2
-    assert lib.llama_edgekv_seq_read(c, 0, L, 1, ffi.NULL, ffi.NULL, n) == -2
-    assert lib.llama_edgekv_seq_read(c, 0, 1, L, ffi.NULL, ffi.NULL, n) == -2  # past the last layer
-    assert lib.llama_edgekv_seq_read(c, 0, 0, 0, ffi.NULL, ffi.NULL, n) == -2
+    assert lib.llama_edgekv_seq_read(c, 0, L, 1, ffi.NULL, ffi.NULL, n, False) == -2
+    assert lib.llama_edgekv_seq_read(c, 0, 1, L, ffi.NULL, ffi.NULL, n, False) == -2  # past the last layer
+    assert lib.llama_edgekv_seq_read(c, 0, 0, 0, ffi.NULL, ffi.NULL, n, False) == -2
     out = np.zeros(L * H * (n + 1), np.float32)
     assert lib.llama_edgekv_seq_key_sqnorms(c, 0, ffi.from_buffer("float[]", out), n + 1) == -2
     assert lib.llama_edgekv_seq_key_sqnorms(c, 0, ffi.NULL, n) == -2

@@ -35,7 +35,7 @@ from .cells import (
 )
 from .engine import CacheState
 from .queries import AttentionTally, QueryMoments, QueryWindow
-from .snapshot import KVSnapshot, hadamard, unrotate
+from .snapshot import KVSnapshot, hadamard
 from .state import StateEngine
 
 _ERRORS = {
@@ -404,10 +404,12 @@ class NativeEngine:
         return out
 
     def read(self, layers: range, cell_order: bool = False, *, keys: bool = True,
-             values: bool = True) -> tuple[np.ndarray | None, np.ndarray | None]:
-        """K (None unless ``keys``) and V (None unless ``values``) of a run of layers as stored
-        (rotated when llama.cpp rotates them), in one device call: float32
-        [len(layers), n_kv_head, n_cells, head_dim], cells in position order unless ``cell_order``."""
+             values: bool = True, unrotated: bool = False) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """K (None unless ``keys``) and V (None unless ``values``) of a run of layers, in one
+        device call: float32 [len(layers), n_kv_head, n_cells, head_dim], cells in position
+        order unless ``cell_order``. As stored (rotated where llama.cpp rotates them) unless
+        ``unrotated``: then as the model computed them, unrotated by the op over the context's
+        threads with ``snapshot.unrotate``'s recipe (the same floats)."""
         n, m = self.n_cells, len(layers)
         if m and layers.step != 1:
             raise EdgekvError(f"read takes a run of consecutive layers, got {layers}")
@@ -416,7 +418,8 @@ class NativeEngine:
         if n and m and (keys or values):
             self._check(self.lib.llama_edgekv_seq_read(self._c, self.seq, layers.start, m,
                                                       self._f32(k) if keys else self.ffi.NULL,
-                                                      self._f32(v) if values else self.ffi.NULL, n), "read")
+                                                      self._f32(v) if values else self.ffi.NULL, n, unrotated),
+                        "read")
         if not cell_order and n:
             order = np.argsort(self.cell_positions(), kind="stable")
             k = None if k is None else k[..., order, :]
@@ -557,8 +560,9 @@ class NativeSnapshot(KVSnapshot):
     order: np.ndarray = field(kw_only=True, repr=False)  # cell ordinals in position order
     in_order: bool = field(kw_only=True, repr=False)  # cells already in position order (the usual case)
     _rotated: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)  # (window queries, rotated)
-    # layers read but not yet put in position order and unrotated ([H, n, d] as read): the
-    # thread that asks for a layer converts it, outside the lock, so scoring threads share it
+    # layers read (unrotated by the read op) but not yet put in position order ([H, n, d] as
+    # read): the thread that asks for a layer gathers it, outside the lock, so scoring
+    # threads share the gathers of a cache whose cells are out of order
     _read_k: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
     _read_v: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
 
@@ -567,18 +571,9 @@ class NativeSnapshot(KVSnapshot):
             raise EdgekvError("the cache changed since this snapshot was taken; take a new one")
         return self.engine
 
-    def _cells_major(self, x: np.ndarray, rot: int) -> np.ndarray:
-        """[H, n, d] in cell order -> [n, H, d] in position order, unrotated (a view where it can).
-        A rotation block lies inside one head's row (llama.cpp sizes it from the head), so it
-        is undone on the rows as read, before the transposition, in one product."""
-        h, n, d = x.shape
-        if rot and d % rot == 0:
-            x = unrotate(x, rot)
-            rot = 0
-        x = (x if self.in_order else x[:, self.order]).transpose(1, 0, 2)
-        if not rot:
-            return x
-        return unrotate(x.reshape(n, h * d), rot).reshape(n, h, d)
+    def _cells_major(self, x: np.ndarray) -> np.ndarray:
+        """[H, n, d] in cell order -> [n, H, d] in position order (a view where it can)."""
+        return (x if self.in_order else x[:, self.order]).transpose(1, 0, 2)
 
     def release(self, layer: int) -> None:
         with self._lock:
@@ -600,7 +595,7 @@ class NativeSnapshot(KVSnapshot):
 
     def _converted(self, layer: int, keys: bool) -> np.ndarray:
         """``layer``'s K or V in position order, unrotated: read under the lock if it was not
-        (with K when asking V and K is not there either: one device call), converted here."""
+        (with K when asking V and K is not there either: one device call), ordered here."""
         done, read = (self._k, self._read_k) if keys else (self._v, self._read_v)
         with self._lock:
             if layer in done:
@@ -608,7 +603,7 @@ class NativeSnapshot(KVSnapshot):
             if layer not in read:
                 self.prefetch(layer, values=not keys)
             x = read[layer]
-        x = self._cells_major(x, self.engine.ctx.k_rot if keys else self.engine.ctx.v_rot)
+        x = self._cells_major(x)
         with self._lock:
             read.pop(layer, None)
             return done.setdefault(layer, x)  # another thread may have converted it meanwhile
@@ -625,7 +620,7 @@ class NativeSnapshot(KVSnapshot):
                and not (values and (stop in self._v or stop in self._read_v))):
             stop += 1  # up to the first layer already read
         layers = range(layer, stop)
-        k, v = eng.read(layers, cell_order=True, keys=keys, values=values)
+        k, v = eng.read(layers, cell_order=True, keys=keys, values=values, unrotated=True)
         for i, at in enumerate(layers):
             if k is not None:
                 self._read_k[at] = k[i]

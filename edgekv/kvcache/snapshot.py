@@ -146,7 +146,8 @@ class KVSnapshot:
     def prefetch(self, layer: int, values: bool = False) -> None:
         """Bring ``layer``'s K (and V) from the engine without handing them out: a parallel
         scorer's reading thread calls it, so that an engine which converts what it read
-        (the native one undoes llama.cpp's rotation) leaves that work to the scoring threads."""
+        (the native one puts cells out of order in position order) leaves that work to the
+        scoring threads."""
         if values:
             self.values(layer)
         self.keys(layer)
@@ -306,11 +307,12 @@ def unrotate(x: np.ndarray, block: int) -> np.ndarray:
     0: not rotated. float32 out.
 
     Computed as one exact recipe rather than a matrix product, so that every CPU and
-    the native lag kernel (``llama_edgekv_seq_lag_scores``) get the same floats: the
-    fast Walsh-Hadamard butterflies in float64 (sums of +-x, exact for dequantised
-    q8_0/q4_0 rows in all but extreme scale spreads), then one multiplication by
-    1/sqrt(block) and one rounding to float32. A BLAS float32 product rounds at every
-    step, in an order that differs between OpenBLAS's AMD and Intel kernels."""
+    the native ops that unrotate (``llama_edgekv_seq_read``, ``_lag_scores``) get the
+    same floats: the fast Walsh-Hadamard butterflies in float64 (sums of +-x, exact for
+    dequantised q8_0/q4_0 rows in all but extreme scale spreads), then one
+    multiplication by 1/sqrt(block) and one rounding to float32. A BLAS float32 product
+    rounds at every step, in an order that differs between OpenBLAS's AMD and Intel
+    kernels."""
     if not block:
         return x
     rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, block)

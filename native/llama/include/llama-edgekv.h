@@ -25,7 +25,8 @@ extern "C" {
 //   5: llama_edgekv_seq_key_sqnorms
 //   6: llama_edgekv_seq_read reads a run of layers in one graph
 //   7: llama_edgekv_seq_lag_scores
-//   8: llama_edgekv_seq_lag_scores undoes llama.cpp's Hadamard rotation of a quantised cache
+//   8: llama_edgekv_seq_lag_scores and llama_edgekv_seq_read (asked to) undo llama.cpp's
+//      Hadamard rotation of a quantised cache
 #define LLAMA_EDGEKV_API_VERSION 8
 
 // what every op returns: LLAMA_EDGEKV_OK (or a count, where documented) or an error
@@ -95,9 +96,11 @@ LLAMA_API bool    llama_edgekv_bias_enabled(struct llama_context * ctx);
 LLAMA_API int32_t llama_edgekv_seq_bias_get(struct llama_context * ctx, llama_seq_id seq_id,       float * bias, int32_t n);
 LLAMA_API int32_t llama_edgekv_seq_bias_set(struct llama_context * ctx, llama_seq_id seq_id, const float * bias, int32_t n);
 
-// Read the K and V rows of seq_id's n cells as F32, as stored, for the n_layers layers from
-// il on, in one graph: k[((l*n_head_kv + h)*n + i)*n_embd_head_k + d], l counted from il.
-// A quantised cache that llama.cpp Hadamard-rotates is returned rotated. k or v may be NULL.
+// Read the K and V rows of seq_id's n cells as F32 for the n_layers layers from il on, in
+// one graph: k[((l*n_head_kv + h)*n + i)*n_embd_head_k + d], l counted from il. k or v may be
+// NULL. A quantised cache that llama.cpp Hadamard-rotates is returned as stored (rotated), or,
+// with unrotate, as the model computed it: each block unrotated by float64 Walsh-Hadamard
+// butterflies, times 1/sqrt(block), rounded once to float (edgekv's reference recipe).
 LLAMA_API int32_t llama_edgekv_seq_read(
         struct llama_context * ctx,
                 llama_seq_id   seq_id,
@@ -105,7 +108,8 @@ LLAMA_API int32_t llama_edgekv_seq_read(
                      int32_t   n_layers,
                        float * k,
                        float * v,
-                     int32_t   n);
+                     int32_t   n,
+                        bool   unrotate);
 
 // Attention scores on the device: for every layer l and KV head h, out[(l*n_head_kv + h)*n + i]
 // is the sum over the n_q queries and the query heads of the group of

@@ -523,12 +523,80 @@ static void edgekv_vt_to_f32(ggml_type type, size_t el, const uint8_t * row, con
     edgekv_to_f32(type, src, y, m);
 }
 
+// Undoing llama.cpp's Hadamard rotation of a quantised cache's rows (H is its own inverse),
+// exactly as edgekv's reference (unrotate in edgekv/kvcache/snapshot.py), so that every CPU
+// and both engines get the same floats: butterflies (a, b) -> (a + b, a - b) with the stride
+// 1, 2, 4, ... in float64, then times 1/sqrt(block), rounded once to float. The sums are
+// exact for float and dequantised q8_0/q4_0 rows (but for extreme scale spreads), so this is
+// the product correctly rounded. Adds and one multiply only: nothing to contract into an FMA.
+
+// the butterflies of one block of channels, [block][lanes] doubles, lanes side by side
+static void edgekv_fwht_lanes(double * t, int32_t block, int32_t lanes) {
+    for (int32_t h = 1; h < block; h *= 2) {
+        for (int32_t j0 = 0; j0 < block; j0 += 2*h) {
+            for (int32_t j = j0; j < j0 + h; ++j) {
+                double * a = t + (size_t) j*lanes;
+                double * b = t + (size_t) (j + h)*lanes;
+                for (int32_t w = 0; w < lanes; ++w) {
+                    const double u = a[w], v = b[w];
+                    a[w] = u + v;
+                    b[w] = u - v;
+                }
+            }
+        }
+    }
+}
+
+// n rows held channel-major, x[c*n + w] (each run of block channels one rotated block)
+static void edgekv_unrotate_cm(float * x, int32_t hd, int32_t n, int32_t block, std::vector<double> & t) {
+    const double scale = 1.0 / std::sqrt((double) block);
+    t.resize((size_t) block*n);
+    for (int32_t b0 = 0; b0 < hd; b0 += block) {
+        float * xb = x + (size_t) b0*n;
+        for (size_t i = 0; i < (size_t) block*n; ++i) {
+            t[i] = xb[i];
+        }
+        edgekv_fwht_lanes(t.data(), block, n);
+        for (size_t i = 0; i < (size_t) block*n; ++i) {
+            xb[i] = (float) (t[i]*scale);
+        }
+    }
+}
+
+// n rows of hd floats, row-major: tiles of rows turned channel-major for the butterflies
+#ifdef EDGEKV_X86_DISPATCH
+__attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+static void edgekv_unrotate_rows(float * x, size_t n, int32_t hd, int32_t block, std::vector<double> & t) {
+    constexpr int32_t T = 16;
+    const double scale = 1.0 / std::sqrt((double) block);
+    t.resize((size_t) block*T);
+    for (size_t r0 = 0; r0 < n; r0 += T) {
+        const int32_t m = (int32_t) std::min<size_t>(T, n - r0);
+        for (int32_t b0 = 0; b0 < hd; b0 += block) {
+            for (int32_t c = 0; c < block; ++c) {
+                double * tc = t.data() + (size_t) c*T;
+                for (int32_t i = 0; i < T; ++i) {
+                    tc[i] = i < m ? x[(r0 + i)*hd + b0 + c] : 0.0;
+                }
+            }
+            edgekv_fwht_lanes(t.data(), block, T);
+            for (int32_t i = 0; i < m; ++i) {
+                float * o = x + (r0 + i)*hd + b0;
+                for (int32_t c = 0; c < block; ++c) {
+                    o[c] = (float) (t[(size_t) c*T + i]*scale);
+                }
+            }
+        }
+    }
+}
+
 // Read where the cache is in host memory: each (layer, K or V) converts its rows straight
 // into the caller's array, over the context's threads, instead of a graph's get_rows into
 // the scheduler's buffer and a copy out of it. A transposed V is read in blocks of cells,
 // every channel row of a block before the next.
 static bool edgekv_host_read(const llama_edgekv_kv & e, int32_t il, int32_t n_layers, float * k, float * v, int32_t n,
-                             int32_t n_threads) {
+                             int32_t k_rot, int32_t v_rot, int32_t n_threads) {
     const int32_t H = e.n_head_kv;
     return edgekv_host_parallel(2*n_layers, n_threads, [&](int32_t item, std::vector<uint8_t> & tmp) {
         const int32_t l = item/2;
@@ -543,10 +611,16 @@ static bool edgekv_host_read(const llama_edgekv_kv & e, int32_t il, int32_t n_la
         out += (size_t) l*H*n*hd;
         if (is_k || !e.v_trans()) {
             const size_t row_bytes = ggml_row_size(t->type, hd);
+            const int32_t rot = is_k ? k_rot : v_rot;
+            std::vector<double> work;
             for (int32_t h = 0; h < H; ++h) {
                 for (int32_t i = 0; i < n; ++i) {
                     const uint8_t * row = (const uint8_t *) t->data + ((size_t) e.cells[i]*H + h)*row_bytes;
                     edgekv_to_f32(t->type, row, out + ((size_t) h*n + i)*hd, hd);
+                    if (rot && (i % 64 == 63 || i == n - 1)) { // unrotated while the rows are in cache
+                        const int32_t i0 = i/64*64;
+                        edgekv_unrotate_rows(out + ((size_t) h*n + i0)*hd, (size_t) (i - i0 + 1), hd, rot, work);
+                    }
                 }
             }
             return;
@@ -1046,7 +1120,8 @@ int32_t llama_edgekv_seq_bias_set(llama_context * ctx, llama_seq_id seq_id, cons
 }
 
 int32_t llama_edgekv_seq_read(
-        llama_context * ctx, llama_seq_id seq_id, int32_t il, int32_t n_layers, float * k, float * v, int32_t n) {
+        llama_context * ctx, llama_seq_id seq_id, int32_t il, int32_t n_layers, float * k, float * v, int32_t n,
+        bool unrotate) {
     llama_edgekv_kv e;
     const int32_t rc = e.init_seq(ctx, seq_id);
     if (rc != LLAMA_EDGEKV_OK) {
@@ -1063,10 +1138,14 @@ int32_t llama_edgekv_seq_read(
             return LLAMA_EDGEKV_ERR_TYPE;
         }
     }
+    const int32_t k_rot = unrotate ? e.k_rot() : 0, v_rot = unrotate ? e.v_rot() : 0;
+    if ((k_rot && e.hd_k % k_rot != 0) || (v_rot && e.hd_v % v_rot != 0)) {
+        return LLAMA_EDGEKV_ERR_UNSUPPORTED;
+    }
     if (edgekv_host_cache(e)) {
         llama_synchronize(ctx);
-        return edgekv_host_read(e, il, n_layers, k, v, n, (int32_t) ctx->n_threads()) ? LLAMA_EDGEKV_OK
-                                                                                       : LLAMA_EDGEKV_ERR_COMPUTE;
+        return edgekv_host_read(e, il, n_layers, k, v, n, k_rot, v_rot, (int32_t) ctx->n_threads())
+                   ? LLAMA_EDGEKV_OK : LLAMA_EDGEKV_ERR_COMPUTE;
     }
     const int32_t H = e.n_head_kv;
 
@@ -1107,6 +1186,20 @@ int32_t llama_edgekv_seq_read(
     }
     for (size_t l = 0; l < vo.size(); ++l) {
         ggml_backend_tensor_get(vo[l], v + l*H*n*e.hd_v, 0, ggml_nbytes(vo[l]));
+    }
+    if (k_rot || v_rot) { // on the host, as the host path does it: the same floats
+        const bool ok = edgekv_host_parallel(2*n_layers, (int32_t) ctx->n_threads(), [&](int32_t item, std::vector<uint8_t> &) {
+            const bool is_k = item % 2 == 0;
+            const int32_t rot = is_k ? k_rot : v_rot, hd = is_k ? e.hd_k : e.hd_v;
+            float * out = is_k ? k : v;
+            if (rot && out) {
+                std::vector<double> work;
+                edgekv_unrotate_rows(out + (size_t) (item/2)*H*n*hd, (size_t) H*n, hd, rot, work);
+            }
+        });
+        if (!ok) {
+            return LLAMA_EDGEKV_ERR_COMPUTE;
+        }
     }
     return LLAMA_EDGEKV_OK;
 }
@@ -1591,41 +1684,6 @@ static void edgekv_lag_group(const float * x, const float * ref, int32_t hd, int
     }
     for (int32_t i = 0; i < count; ++i) {
         s[i] = tot > 0 ? s[i]/tot : 0.0;
-    }
-}
-
-// undo llama.cpp's Hadamard rotation of n rows held channel-major, x[c*n + w] (each run of
-// block channels one rotated block), exactly as edgekv's reference (unrotate in
-// edgekv/kvcache/snapshot.py): butterflies (a, b) -> (a + b, a - b) with the stride 1, 2,
-// 4, ... in float64, then times 1/sqrt(block), rounded once to float. The loops over rows
-// vectorise; every element sees the same operations in the same order.
-static void edgekv_unrotate_cm(float * x, int32_t hd, int32_t n, int32_t block, std::vector<double> & t) {
-#if defined(__clang__)
-#pragma clang fp contract(off)
-#endif
-    const double scale = 1.0 / std::sqrt((double) block);
-    t.resize((size_t) block*n);
-    for (int32_t b0 = 0; b0 < hd; b0 += block) {
-        float * xb = x + (size_t) b0*n;
-        for (size_t i = 0; i < (size_t) block*n; ++i) {
-            t[i] = xb[i];
-        }
-        for (int32_t h = 1; h < block; h *= 2) {
-            for (int32_t j0 = 0; j0 < block; j0 += 2*h) {
-                for (int32_t j = j0; j < j0 + h; ++j) {
-                    double * a = t.data() + (size_t) j*n;
-                    double * b = t.data() + (size_t) (j + h)*n;
-                    for (int32_t w = 0; w < n; ++w) {
-                        const double u = a[w], v = b[w];
-                        a[w] = u + v;
-                        b[w] = u - v;
-                    }
-                }
-            }
-        }
-        for (size_t i = 0; i < (size_t) block*n; ++i) {
-            xb[i] = (float) (t[i]*scale);
-        }
     }
 }
 
