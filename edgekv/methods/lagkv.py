@@ -303,19 +303,16 @@ def _each_layer(snap: KVSnapshot, fn: Callable[[int], None]) -> None:
     """``fn(layer)`` for every layer, on all of the host's cores: the compression runs
     while llama.cpp's threads wait, and the scoring kernel releases the GIL. The K/V
     reads happen here first, one caller at a time (a native read is a device call); the
-    workers put them in order and undo llama.cpp's rotation of a quantised cache."""
+    workers put them in position order where the cells are not."""
     for layer in range(snap.n_layer):
-        snap.prefetch(layer, values=True)  # K and V in one device read; fn converts them
+        snap.prefetch(layer, values=True)  # K and V in one device read; fn orders them
     global _pool
     with _pool_lock:
         if _pool is None:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
             _pool = ThreadPoolExecutor(max_workers=cores or 1, thread_name_prefix="edgekv-lagkv")
-    from threadpoolctl import threadpool_limits
-
-    with threadpool_limits(limits=1, user_api="blas"):  # fn's unrotations: one BLAS thread each
-        for _ in _pool.map(fn, range(snap.n_layer)):  # re-raises a worker's exception
-            pass
+    for _ in _pool.map(fn, range(snap.n_layer)):  # re-raises a worker's exception
+        pass
 
 
 _pool: ThreadPoolExecutor | None = None
@@ -329,7 +326,7 @@ def _load_kernel() -> None:
     once (a chat or a server pays it at start-up, an ingest would pay it mid-document)."""
     members = np.zeros((2, 2, 2), np.int64)
     z = np.zeros((2, 2, 2), np.float32)
-    group_scores(z, z, members)  # C-contiguous: the state engine, rotated caches
+    group_scores(z, z, members)  # C-contiguous: the state engine
     a = z.transpose(1, 0, 2)  # [n, H, d] viewed from [H, n, d]: the native engine's reads
     group_scores(a, a, members)
 
