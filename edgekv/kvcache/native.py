@@ -35,7 +35,7 @@ from .cells import (
 )
 from .engine import CacheState
 from .queries import AttentionTally, QueryMoments, QueryWindow
-from .snapshot import KVSnapshot, hadamard
+from .snapshot import KVSnapshot, unrotate
 from .state import StateEngine
 
 _ERRORS = {
@@ -501,13 +501,9 @@ class NativeEngine:
 
     def rotate_queries(self, q: np.ndarray) -> np.ndarray:
         """float32 ``q`` [..., head_dim_k] rotated like the cache's keys when llama.cpp
-        Hadamard-rotates them (a quantised K), so that q.k is the model's logit; else ``q``."""
-        q = np.asarray(q, np.float32)
-        r = self.ctx.k_rot
-        if r:
-            d = q.shape[-1]
-            q = (q.reshape(-1, d // r, r) @ hadamard(r)).reshape(q.shape)
-        return q
+        Hadamard-rotates them (a quantised K), so that q.k is the model's logit; else ``q``.
+        H is its own inverse, so this is ``unrotate``: one recipe for every rotation."""
+        return unrotate(np.asarray(q, np.float32), self.ctx.k_rot)
 
     def score(self, q: np.ndarray, q_pos: np.ndarray, kq_scale: float | None = None,
               layers: list[int] | None = None, *, rotated: bool = False) -> np.ndarray:
