@@ -481,6 +481,41 @@ def test_device_scores_equal_host_reference(smollm2, toks, ck, cv, fa, path, mon
     ctx.close()
 
 
+def _has_avx512() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " avx512f" in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_avx512(), reason="one score kernel on a CPU without AVX-512: nothing to compare")
+def test_host_scores_are_the_same_bits_with_avx512_and_avx2(smollm2, toks, monkeypatch) -> None:
+    # the host kernel's AVX-512 and AVX2 logits are the same chains of multiply-adds, so the
+    # scores agree to the last bit: an AVX2-only CPU keeps the cells an AVX-512 one keeps.
+    # 1061 cells: past one 1024-cell chunk, and an odd number of 16-cell blocks; 13 queries:
+    # a short last pass for both kernels (8 and 6 queries a pass)
+    monkeypatch.delenv("EDGEKV_GRAPH_OPS", raising=False)
+    ctx = _ctx(smollm2, "f16", "f16", "off", n_ctx=1280)
+    eng = NativeEngine(ctx)
+    arch = smollm2.arch
+    L, H, d = arch.n_layer, arch.n_head_kv, arch.head_dim_k
+    prefill(eng, (toks * (1200 // len(toks) + 1))[:1200])
+    eng.compact(_keep(np.random.default_rng(4), L, H, eng.n_cells, 1061))
+    rng = np.random.default_rng(5)
+    eng.bias_set(rng.uniform(0, 2, (L, H, eng.n_cells)).astype(np.float32))
+    pos = eng.snapshot().pos
+    q = rng.standard_normal((L, arch.n_head, 13, d)).astype(np.float32)
+    q_pos = np.asarray(pos[-13:] - 40, np.int32)  # the last 40 cells are masked for some queries
+    monkeypatch.delenv("EDGEKV_CPU", raising=False)
+    wide = eng.score(q, q_pos)
+    monkeypatch.setenv("EDGEKV_CPU", "avx2")
+    narrow = eng.score(q, q_pos)
+    np.testing.assert_array_equal(wide, narrow)
+    assert np.all(wide[..., pos > q_pos.max()] == 0) and np.all(wide[..., :1000] > 0)
+    ctx.close()
+
+
 @pytest.mark.parametrize("method", ["snapkv", "protokv"])
 def test_window_scores_keep_the_same_cells_on_every_path(smollm2, toks, method, monkeypatch) -> None:
     # the host kernel and the graph round differently, yet a compression keeps the same cells

@@ -114,7 +114,9 @@ class QueryWindow:
                               "from the tokens it compresses (observe before decoding them)")
         m = min(n, self._count)
         order = self._order()[self._count - m:]
-        return self._q[:, :, order], self._pos[order]
+        # contiguous once here: numpy gathers along a middle axis into a strided array, and the
+        # score op copied it again on each of a scorer's per-layer calls (30 copies of 4 MiB at 8k)
+        return np.ascontiguousarray(self._q[:, :, order]), self._pos[order]
 
 
 class QueryMoments:

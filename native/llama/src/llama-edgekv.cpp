@@ -1216,8 +1216,12 @@ int32_t llama_edgekv_seq_read(
 // (checked at run time); other CPUs run the graph, whose ggml kernels are vectorised for
 // them: a portable loop here, as the compiler vectorised it, took 1.9 s where the graph took
 // 1.0 s (8k cells, 64 queries, SmolLM2).
-constexpr int32_t EDGEKV_SCORE_LANES = 16; // cells per block
-constexpr int32_t EDGEKV_SCORE_QB    = 4;  // queries per pass over a block
+//
+// Every cell's logit is one chain of fused multiply-adds over the channels in order, so the
+// AVX2 and the AVX-512 kernels below give the same bits; the wider one only holds more cells
+// and queries in registers at once. EDGEKV_CPU=avx2 picks the AVX2 one on any CPU, so that
+// an AVX-512 machine's tests (scripts/test_kernels.sh) run what an AVX2-only CPU runs.
+constexpr int32_t EDGEKV_SCORE_LANES = 16;   // cells per block
 constexpr int32_t EDGEKV_SCORE_CHUNK = 1024; // cells whose keys (256 KiB at 64 channels) every query passes over in turn
 
 struct edgekv_score_head {
@@ -1227,7 +1231,7 @@ struct edgekv_score_head {
     const float   * bias;  // [n_pad]: the log-count bias, zeros while it is off
     float           scale;
     float         * lg;    // scratch [n_q][n_pad]: logits, then probabilities
-    float         * mx;    // scratch [n_q][8]: running maxima of the logits
+    float         * mx;    // scratch [n_q][16]: running maxima of the logits, one per lane
     float         * acc;   // [n_pad] += the query head's attention, summed over queries
 };
 
@@ -1253,59 +1257,171 @@ static inline __m256 edgekv_exp_neg(__m256 x) {
     return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
 }
 
-// AVX2 and FMA: four queries against a block of 16 cells in eight registers; the cells go
-// in chunks whose keys stay in the L2 cache while every query passes over them
-__attribute__((target("avx2,fma")))
-static void edgekv_score_one_avx2(const edgekv_score_head & a, const float * q, const llama_pos * q_pos) {
-    const int32_t L = EDGEKV_SCORE_LANES, QB = EDGEKV_SCORE_QB, CH = EDGEKV_SCORE_CHUNK;
-    const __m256 ninf = _mm256_set1_ps(-INFINITY), scale = _mm256_set1_ps(a.scale);
-    for (int32_t t = 0; t < a.n_q; ++t) {
-        _mm256_storeu_ps(a.mx + 8*(size_t) t, ninf);
-    }
-    for (int32_t c0 = 0; c0 < a.n_pad; c0 += CH) {
-        const int32_t c1 = std::min(a.n_pad, c0 + CH);
+// Both kernels' passes over one (layer, query head): the cells in chunks whose keys stay in
+// the L2 cache while every query passes over them, QB queries a pass. A short last pass
+// repeats its last query and stores nothing for the repeats. Pass::run holds the pass's
+// accumulators and running maxima in registers (every loop over its queries has a constant
+// trip count, so none lives in memory) and stores the maxima in a.mx between chunks.
+template <int QB, typename Pass>
+static void edgekv_score_passes(const edgekv_score_head & a, const float * q, const llama_pos * q_pos) {
+    for (int32_t c0 = 0; c0 < a.n_pad; c0 += EDGEKV_SCORE_CHUNK) {
+        const int32_t c1 = std::min(a.n_pad, c0 + EDGEKV_SCORE_CHUNK);
         for (int32_t t0 = 0; t0 < a.n_q; t0 += QB) {
             const int32_t nt = std::min(QB, a.n_q - t0);
             const float * qt[QB];
-            __m256i qp[QB];
+            llama_pos qp[QB];
             for (int32_t u = 0; u < QB; ++u) {
-                const int32_t t = t0 + std::min(u, nt - 1); // a short last pass repeats its last query
-                qt[u] = q + (size_t) t*a.hd;
-                qp[u] = _mm256_set1_epi32(q_pos[t]);
+                qt[u] = q + (size_t) (t0 + std::min(u, nt - 1))*a.hd;
+                qp[u] = q_pos[t0 + std::min(u, nt - 1)];
             }
-            for (int32_t b = c0; b < c1; b += L) {
-                __m256 s[QB][2];
+            Pass::run(a, c0, c1, t0, nt, qt, qp);
+        }
+    }
+}
+
+// AVX2 and FMA: QB queries against a block of 16 cells, 2*QB accumulators
+template <int QB>
+struct edgekv_score_pass_avx2 {
+    __attribute__((target("avx2,fma")))
+    static void run(const edgekv_score_head & a, int32_t c0, int32_t c1, int32_t t0, int32_t nt,
+                    const float * const * qt, const llama_pos * qpos) {
+        const int32_t L = EDGEKV_SCORE_LANES, hd = a.hd;
+        const __m256 ninf = _mm256_set1_ps(-INFINITY), scale = _mm256_set1_ps(a.scale);
+        __m256i qp[QB];
+        __m256 mx[QB];
+#pragma GCC unroll 16
+        for (int32_t u = 0; u < QB; ++u) {
+            qp[u] = _mm256_set1_epi32(qpos[u]);
+            mx[u] = c0 == 0 ? ninf : _mm256_loadu_ps(a.mx + 16*(size_t) (t0 + std::min(u, nt - 1)));
+        }
+        for (int32_t b = c0; b < c1; b += L) {
+            __m256 s0[QB], s1[QB];
+#pragma GCC unroll 16
+            for (int32_t u = 0; u < QB; ++u) {
+                s0[u] = s1[u] = _mm256_setzero_ps();
+            }
+            const float * kp = a.kb + (size_t) b*hd;
+            for (int32_t d = 0; d < hd; ++d) {
+                const __m256 k0 = _mm256_loadu_ps(kp + (size_t) d*L), k1 = _mm256_loadu_ps(kp + (size_t) d*L + 8);
+#pragma GCC unroll 16
                 for (int32_t u = 0; u < QB; ++u) {
-                    s[u][0] = s[u][1] = _mm256_setzero_ps();
+                    const __m256 qd = _mm256_broadcast_ss(qt[u] + d);
+                    s0[u] = _mm256_fmadd_ps(qd, k0, s0[u]);
+                    s1[u] = _mm256_fmadd_ps(qd, k1, s1[u]);
                 }
-                const float * kp = a.kb + (size_t) b*a.hd;
-                for (int32_t d = 0; d < a.hd; ++d) {
-                    const __m256 k0 = _mm256_loadu_ps(kp + (size_t) d*L), k1 = _mm256_loadu_ps(kp + (size_t) d*L + 8);
-                    for (int32_t u = 0; u < QB; ++u) {
-                        const __m256 qd = _mm256_broadcast_ss(qt[u] + d);
-                        s[u][0] = _mm256_fmadd_ps(qd, k0, s[u][0]);
-                        s[u][1] = _mm256_fmadd_ps(qd, k1, s[u][1]);
-                    }
-                }
-                for (int32_t h = 0; h < 2; ++h) {
-                    const __m256i p = _mm256_loadu_si256((const __m256i *) (a.pos + b + 8*h));
-                    const __m256 bias = _mm256_loadu_ps(a.bias + b + 8*h);
-                    for (int32_t u = 0; u < nt; ++u) {
-                        __m256 x = _mm256_fmadd_ps(s[u][h], scale, bias);
-                        x = _mm256_blendv_ps(x, ninf, _mm256_castsi256_ps(_mm256_cmpgt_epi32(p, qp[u])));
-                        _mm256_storeu_ps(a.lg + (size_t) (t0 + u)*a.n_pad + b + 8*h, x);
-                        float * m = a.mx + 8*(size_t) (t0 + u);
-                        _mm256_storeu_ps(m, _mm256_max_ps(_mm256_loadu_ps(m), x));
-                    }
+            }
+            const __m256i p0 = _mm256_loadu_si256((const __m256i *) (a.pos + b));
+            const __m256i p1 = _mm256_loadu_si256((const __m256i *) (a.pos + b + 8));
+            const __m256 b0 = _mm256_loadu_ps(a.bias + b), b1 = _mm256_loadu_ps(a.bias + b + 8);
+#pragma GCC unroll 16
+            for (int32_t u = 0; u < QB; ++u) {
+                __m256 x0 = _mm256_fmadd_ps(s0[u], scale, b0), x1 = _mm256_fmadd_ps(s1[u], scale, b1);
+                x0 = _mm256_blendv_ps(x0, ninf, _mm256_castsi256_ps(_mm256_cmpgt_epi32(p0, qp[u])));
+                x1 = _mm256_blendv_ps(x1, ninf, _mm256_castsi256_ps(_mm256_cmpgt_epi32(p1, qp[u])));
+                mx[u] = _mm256_max_ps(_mm256_max_ps(mx[u], x0), x1);
+                if (u < nt) {
+                    _mm256_storeu_ps(a.lg + (size_t) (t0 + u)*a.n_pad + b, x0);
+                    _mm256_storeu_ps(a.lg + (size_t) (t0 + u)*a.n_pad + b + 8, x1);
                 }
             }
         }
+#pragma GCC unroll 16
+        for (int32_t u = 0; u < QB; ++u) {
+            if (u < nt) {
+                _mm256_storeu_ps(a.mx + 16*(size_t) (t0 + u), mx[u]);
+                _mm256_storeu_ps(a.mx + 16*(size_t) (t0 + u) + 8, mx[u]);
+            }
+        }
     }
+};
+
+// AVX-512: QB queries against NB blocks of 16 cells (one register each), NB*QB accumulators;
+// per cell the same chain of multiply-adds as the AVX2 pass
+template <int QB, int NB>
+__attribute__((target("avx512f")))
+static inline void edgekv_score_blocks_avx512(const edgekv_score_head & a, int32_t b, int32_t t0, int32_t nt,
+                                              const float * const * qt, const __m512i * qp, __m512 * mx) {
+    const int32_t L = EDGEKV_SCORE_LANES, hd = a.hd;
+    const __m512 ninf = _mm512_set1_ps(-INFINITY), scale = _mm512_set1_ps(a.scale);
+    __m512 s[NB][QB];
+#pragma GCC unroll 16
+    for (int32_t j = 0; j < NB; ++j) {
+#pragma GCC unroll 16
+        for (int32_t u = 0; u < QB; ++u) {
+            s[j][u] = _mm512_setzero_ps();
+        }
+    }
+    const float * kp = a.kb + (size_t) b*hd;
+    for (int32_t d = 0; d < hd; ++d) {
+        __m512 k[NB];
+#pragma GCC unroll 16
+        for (int32_t j = 0; j < NB; ++j) {
+            k[j] = _mm512_loadu_ps(kp + ((size_t) j*hd + d)*L);
+        }
+#pragma GCC unroll 16
+        for (int32_t u = 0; u < QB; ++u) {
+            const __m512 qd = _mm512_set1_ps(qt[u][d]);
+#pragma GCC unroll 16
+            for (int32_t j = 0; j < NB; ++j) {
+                s[j][u] = _mm512_fmadd_ps(qd, k[j], s[j][u]);
+            }
+        }
+    }
+#pragma GCC unroll 16
+    for (int32_t j = 0; j < NB; ++j) {
+        const int32_t bj = b + j*L;
+        const __m512i p = _mm512_loadu_si512((const void *) (a.pos + bj));
+        const __m512 bias = _mm512_loadu_ps(a.bias + bj);
+#pragma GCC unroll 16
+        for (int32_t u = 0; u < QB; ++u) {
+            const __m512 x = _mm512_mask_blend_ps(_mm512_cmpgt_epi32_mask(p, qp[u]),
+                                                  _mm512_fmadd_ps(s[j][u], scale, bias), ninf);
+            mx[u] = _mm512_max_ps(mx[u], x);
+            if (u < nt) {
+                _mm512_storeu_ps(a.lg + (size_t) (t0 + u)*a.n_pad + bj, x);
+            }
+        }
+    }
+}
+
+template <int QB>
+struct edgekv_score_pass_avx512 {
+    __attribute__((target("avx512f")))
+    static void run(const edgekv_score_head & a, int32_t c0, int32_t c1, int32_t t0, int32_t nt,
+                    const float * const * qt, const llama_pos * qpos) {
+        const int32_t L = EDGEKV_SCORE_LANES;
+        __m512i qp[QB];
+        __m512 mx[QB];
+#pragma GCC unroll 16
+        for (int32_t u = 0; u < QB; ++u) {
+            qp[u] = _mm512_set1_epi32(qpos[u]);
+            mx[u] = c0 == 0 ? _mm512_set1_ps(-INFINITY) : _mm512_loadu_ps(a.mx + 16*(size_t) (t0 + std::min(u, nt - 1)));
+        }
+        int32_t b = c0;
+        for (; b + 2*L <= c1; b += 2*L) {
+            edgekv_score_blocks_avx512<QB, 2>(a, b, t0, nt, qt, qp, mx);
+        }
+        if (b < c1) { // an odd block at the end
+            edgekv_score_blocks_avx512<QB, 1>(a, b, t0, nt, qt, qp, mx);
+        }
+#pragma GCC unroll 16
+        for (int32_t u = 0; u < QB; ++u) {
+            if (u < nt) {
+                _mm512_storeu_ps(a.mx + 16*(size_t) (t0 + u), mx[u]);
+            }
+        }
+    }
+};
+
+// The softmax of each query's logits (its maximum from the 16 running lanes) added to acc;
+// the denominator summed in double in a fixed order of lanes
+__attribute__((target("avx2,fma")))
+static void edgekv_score_softmax_avx2(const edgekv_score_head & a) {
     for (int32_t t = 0; t < a.n_q; ++t) {
-        const float * m8 = a.mx + 8*(size_t) t;
-        float m = m8[0];
-        for (int32_t j = 1; j < 8; ++j) {
-            m = m8[j] > m ? m8[j] : m;
+        const float * m16 = a.mx + 16*(size_t) t;
+        float m = m16[0];
+        for (int32_t j = 1; j < 16; ++j) {
+            m = m16[j] > m ? m16[j] : m;
         }
         if (m == -INFINITY) { // no cell visible to this query
             continue;
@@ -1333,12 +1449,32 @@ static bool edgekv_has_avx2_fma() {
     return has;
 }
 
+// The AVX-512 logits where the CPU has them, unless EDGEKV_CPU=avx2 (read per call, so a
+// test can compare the two in one process)
+static bool edgekv_score_avx512() {
+    static const bool has = __builtin_cpu_supports("avx512f");
+    const char * cpu = getenv("EDGEKV_CPU");
+    return has && !(cpu && strcmp(cpu, "avx2") == 0);
+}
+
+// One (layer, query head): 8 queries a pass with AVX-512 (16 accumulators and 8 maxima of
+// 32), 6 with AVX2 (12 accumulators of 16 registers); about twice the multiply-adds a
+// second of the 4-query kernel they replaced, which kept its accumulators in memory
+static void edgekv_score_one(const edgekv_score_head & a, const float * q, const llama_pos * q_pos, bool avx512) {
+    if (avx512) {
+        edgekv_score_passes<8, edgekv_score_pass_avx512<8>>(a, q, q_pos);
+    } else {
+        edgekv_score_passes<6, edgekv_score_pass_avx2<6>>(a, q, q_pos);
+    }
+    edgekv_score_softmax_avx2(a);
+}
+
 static bool edgekv_host_score(const llama_edgekv_kv & e, const std::vector<int32_t> & todo, int32_t n_head, int32_t n_q,
                               const float * q, const llama_pos * q_pos, float kq_scale, float * out, int32_t n,
                               int32_t n_threads) {
     const int32_t H = e.n_head_kv, hd = e.hd_k, group = n_head/H, L = EDGEKV_SCORE_LANES;
     const int32_t n_pad = (n + L - 1)/L*L;
-    const bool bias_on = e.kv->edgekv_bias_enabled();
+    const bool bias_on = e.kv->edgekv_bias_enabled(), avx512 = edgekv_score_avx512();
     std::vector<int32_t> pos(n_pad, std::numeric_limits<int32_t>::max());
     for (int32_t i = 0; i < n; ++i) {
         pos[i] = e.cells0().pos_get(e.cells[i]);
@@ -1392,14 +1528,14 @@ static bool edgekv_host_score(const llama_edgekv_kv & e, const std::vector<int32
         });
         ok = ok && edgekv_host_parallel(nb*n_head, n_threads, [&](int32_t item, std::vector<uint8_t> & tmp) {
             const int32_t jj = item/n_head, qh = item % n_head, h = qh/group, l = todo[j0 + jj];
-            tmp.resize(((size_t) n_q*n_pad + 8*(size_t) n_q)*sizeof(float));
+            tmp.resize(((size_t) n_q*n_pad + 16*(size_t) n_q)*sizeof(float));
             float * lg = (float *) tmp.data();
             float * ac = acc.data() + (size_t) item*n_pad;
             std::fill(ac, ac + n_pad, 0.0f);
             const float * b = bias_on ? bias[j0 + jj].data() + (size_t) h*n_pad : zeros.data();
             const edgekv_score_head a = {n_pad, hd, n_q, kb.data() + ((size_t) jj*H + h)*per_head, pos.data(), b,
                                          kq_scale, lg, lg + (size_t) n_q*n_pad, ac};
-            edgekv_score_one_avx2(a, q + ((size_t) l*n_head + qh)*n_q*hd, q_pos);
+            edgekv_score_one(a, q + ((size_t) l*n_head + qh)*n_q*hd, q_pos, avx512);
         });
         if (!ok) {
             return false;
