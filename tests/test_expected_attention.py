@@ -11,7 +11,7 @@ import pytest
 
 from edgekv.errors import EdgekvError
 from edgekv.kvcache.rope import Rope
-from edgekv.methods import base
+from edgekv.methods import base, expected_attention
 from edgekv.methods.expected_attention import expected_attention_scores
 from edgekv.session import Session
 
@@ -44,6 +44,27 @@ def _pre_rope(sess: Session) -> tuple[np.ndarray, np.ndarray]:
     q, pos = sess.engine.window.last(sess.engine.window.size)
     rope = Rope.of(sess.model)
     return np.stack([rope.rotate(q[r], np.broadcast_to(-pos, q.shape[1:3])) for r in range(q.shape[0])]), pos
+
+
+def test_scores_in_chunks_of_cells_are_the_one_pass_floats(monkeypatch) -> None:
+    # every sum runs over channels only, so scoring 1024 cells at a time (to stay in cache)
+    # gives the whole layer's floats: the kept cells cannot move. 2500 cells: two full
+    # chunks and a partial one; a gap in one head's scored cells takes the gather path
+    rng = np.random.default_rng(8)
+    n_head, n_kv, d, n = 9, 3, 64, 2500
+    mu = rng.standard_normal((n_head, d))
+    a = rng.standard_normal((n_head, d, d)) / d
+    cov = a @ a.transpose(0, 2, 1)
+    k = rng.standard_normal((n, n_kv, d)).astype(np.float32)
+    v = rng.standard_normal((n, n_kv, d)).astype(np.float32)
+    scored = np.ones((n_kv, n), bool)
+    scored[:, :4] = False
+    scored[1, 1500:1600] = False
+    bias = np.log(rng.integers(1, 4, (n_kv, n))).astype(np.float64)
+    got = expected_attention_scores(mu, cov, k, v, scored, 0.125, bias)
+    assert got.shape == (n_kv, n) and np.isinf(got[1, 1500:1600]).all() and np.isfinite(got[:, 4:1500]).all()
+    monkeypatch.setattr(expected_attention, "CHUNK", n)  # the whole layer in one pass
+    np.testing.assert_array_equal(got, expected_attention_scores(mu, cov, k, v, scored, 0.125, bias))
 
 
 @pytest.mark.parametrize("engine", ["state", "native"])

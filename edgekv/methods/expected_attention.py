@@ -28,6 +28,13 @@ from ..errors import EdgekvError
 from ..kvcache.snapshot import KVSnapshot
 from .base import ScorerMethod
 
+# Cells a pass for the covariance term and the value norms: their sums run over channels
+# only, so a chunk's floats are the whole layer's (tested), and a chunk's float64 copies and
+# [chunk, group * d] products stay in cache. The mean term stays one pass: a float64
+# product of three query heads and a chunk of cells is small enough for OpenBLAS's
+# small-matrix kernels, which sum in another order.
+CHUNK = 1024
+
 
 @dataclass
 class ExpectedAttention(ScorerMethod):
@@ -87,7 +94,7 @@ def expected_attention_scores(mu: np.ndarray, cov: np.ndarray | None, k: np.ndar
         raise EdgekvError(f"{n_head} query heads do not split into {n_kv} KV heads")
     group = n_head // n_kv
     out = np.full((n_kv, n), np.inf)
-    vnorm = None if v is None else np.linalg.norm(v.astype(np.float64), axis=2)  # [n, n_kv]: one pass for all heads
+    vnorm = None if v is None else _value_norms(v)
     for h in range(n_kv):
         cols = np.flatnonzero(scored[h])
         if cols.size == 0:
@@ -96,11 +103,13 @@ def expected_attention_scores(mu: np.ndarray, cov: np.ndarray | None, k: np.ndar
             cols = slice(int(cols[0]), int(cols[-1]) + 1)
         heads = slice(h * group, (h + 1) * group)
         logits = kq_scale * (mu[heads] @ k[cols, h].astype(np.float64).T)  # [group, c]
-        if cov is not None:  # k^T C k for every key and query head: one float32 product [c, d] x [d, group * d]
-            k32 = np.ascontiguousarray(k[cols, h], np.float32)
-            kc = k32 @ cov[heads].transpose(1, 0, 2).reshape(d, group * d).astype(np.float32)
-            quad = np.einsum("cgd,cd->gc", kc.reshape(-1, group, d), k32, optimize=True)
-            logits += 0.5 * kq_scale**2 * quad.astype(np.float64)
+        if cov is not None:  # k^T C k for every key and query head: float32 products [chunk, d] x [d, group * d]
+            kh = k[cols, h]
+            covs = cov[heads].transpose(1, 0, 2).reshape(d, group * d).astype(np.float32)
+            for c0, c1 in _chunks(kh.shape[0]):
+                k32 = np.ascontiguousarray(kh[c0:c1], np.float32)
+                quad = np.einsum("cgd,cd->gc", (k32 @ covs).reshape(-1, group, d), k32, optimize=True)
+                logits[:, c0:c1] += 0.5 * kq_scale**2 * quad.astype(np.float64)
         if bias is not None:
             logits += bias[h, cols]
         logits -= logits.max(axis=1, keepdims=True)
@@ -110,4 +119,23 @@ def expected_attention_scores(mu: np.ndarray, cov: np.ndarray | None, k: np.ndar
         if vnorm is not None:
             s = (s + epsilon) * vnorm[cols, h]
         out[h, cols] = s
+    return out
+
+
+def _chunks(n: int) -> list[tuple[int, int]]:
+    """[c0, c1) runs of CHUNK cells, the last one taking the rest (CHUNK to 2 * CHUNK - 1
+    cells), so that no product is small enough for OpenBLAS's small-matrix kernels, whose
+    sums run in another order."""
+    ends = list(range(CHUNK, n - CHUNK + 1, CHUNK)) + [n]
+    return list(zip([0] + ends[:-1], ends, strict=True))
+
+
+def _value_norms(v: np.ndarray) -> np.ndarray:
+    """float64 [n, n_kv_head]: ``np.linalg.norm(v.astype(np.float64), axis=2)``, the same
+    floats, a chunk of cells at a time (a whole layer's float64 copy and its squares left
+    the cache and took twice as long)."""
+    out = np.empty(v.shape[:2])
+    for c0, c1 in _chunks(v.shape[0]):
+        x = v[c0:c1].astype(np.float64)
+        np.sqrt(np.add.reduce(x * x, axis=2), out=out[c0:c1])
     return out
