@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """What the observation-window scores cost (the native engine's
 ``llama_edgekv_seq_score``, which SnapKV, ChunkKV, CompressKV and ProtoKV read):
-the host kernel in the cache's memory (x86-64 with AVX2 and FMA) against the
-ggml graph GPUs and other CPUs run (``EDGEKV_GRAPH_OPS=1``).
+the host kernel in the cache's memory (x86-64 with AVX2 and FMA; its AVX-512 pass where
+the CPU has it, and its AVX2 pass forced with ``EDGEKV_CPU=avx2``) against the ggml
+graph GPUs and other CPUs run (``EDGEKV_GRAPH_OPS=1``).
 
     .venv/bin/edgekv bench run score_cost --tokens 8192 --queries 64 --repeat 5
 
@@ -19,7 +20,9 @@ import os
 import statistics
 import time
 
-PATHS = {"host": "0", "graph": "1"}  # EDGEKV_GRAPH_OPS
+# the environment each path runs under: EDGEKV_GRAPH_OPS, and EDGEKV_CPU for the host kernel's pass
+PATHS = {"host": {"EDGEKV_GRAPH_OPS": "0"}, "host-avx2": {"EDGEKV_GRAPH_OPS": "0", "EDGEKV_CPU": "avx2"},
+         "graph": {"EDGEKV_GRAPH_OPS": "1"}}
 
 
 def main() -> None:
@@ -52,12 +55,13 @@ def main() -> None:
             times: dict[str, list[float]] = {p: [] for p in PATHS}
             scores: dict[str, np.ndarray] = {}
             for _ in range(a.repeat):
-                for path, graph in PATHS.items():
-                    os.environ["EDGEKV_GRAPH_OPS"] = graph
+                for path, env in PATHS.items():
+                    os.environ.update(env)
                     t = time.perf_counter()
                     scores[path] = eng.score(q, q_pos)
                     times[path].append(time.perf_counter() - t)
-            os.environ.pop("EDGEKV_GRAPH_OPS", None)
+                    for name in env:
+                        os.environ.pop(name)
             for path, ts in times.items():
                 diff = float(np.abs(scores[path] - scores["graph"]).max())
                 rows.append({"model": a.model, "cache_type": ct, "flash_attn": s.ctx.flash_attn,
