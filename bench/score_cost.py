@@ -10,7 +10,8 @@ graph GPUs and other CPUs run (``EDGEKV_GRAPH_OPS=1``).
 A full cache of ``--tokens`` cells per cache type (F16 with V transposed, Q8_0
 with flash attention), then every layer scored against the last ``--queries``
 queries, each path in turn, ``--repeat`` rounds, medians; beside each, the
-largest difference from the graph's scores. Writes ``bench/results/score_cost.json``.
+largest difference from the graph's scores. Writes ``bench/results/score_cost.json``
+(``--out NAME``: NAME.json).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def main() -> None:
     ap.add_argument("--cache-types", default="f16,q8_0")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default="score_cost", help="results name: bench/results/OUT.json")
     a = ap.parse_args()
 
     import numpy as np
@@ -71,7 +73,7 @@ def main() -> None:
                 print(f"{ct} {path:13s}: {statistics.median(ts):6.3f} s for {eng.n_cells} cells x {a.queries} "
                       f"queries x {eng.n_layer} layers (largest difference from the graph {diff:.2e})", flush=True)
     model.close()
-    print(f"wrote {write_json('score_cost', {'machine': machine(), 'args': vars(a), 'rows': rows})}")
+    print(f"wrote {write_json(a.out, {'machine': machine(), 'args': vars(a), 'rows': rows})}")
 
 
 if __name__ == "__main__":
