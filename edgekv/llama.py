@@ -111,13 +111,19 @@ def cpu_features() -> list[str]:
     return re.findall(r"([A-Z0-9_]+) = 1", system_info())
 
 
-def cpu_has_amx() -> bool:
-    """True when the CPU advertises AMX-INT8 (Sapphire Rapids and later)."""
+def cpu_flag(name: str) -> bool:
+    """True when the CPU advertises the /proc/cpuinfo flag ``name`` (False where there is no
+    /proc/cpuinfo): what the CPU can run, whatever ggml was built for."""
     try:
         with open("/proc/cpuinfo") as f:
-            return bool(re.search(r"\bamx_int8\b", f.read()))
+            return bool(re.search(rf"\b{re.escape(name)}\b", f.read()))
     except OSError:
         return False
+
+
+def cpu_has_amx() -> bool:
+    """True when the CPU advertises AMX-INT8 (Sapphire Rapids and later)."""
+    return cpu_flag("amx_int8")
 
 
 def lib_has_amx() -> bool:

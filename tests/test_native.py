@@ -20,7 +20,7 @@ from edgekv.kvcache import CacheState, StateEngine, layout, native_available
 from edgekv.kvcache import native as native_mod
 from edgekv.kvcache.native import NativeEngine, NativeUnsupported, ReadBuffers, load
 from edgekv.kvcache.snapshot import unrotate
-from edgekv.llama import Context
+from edgekv.llama import Context, cpu_flag
 from edgekv.methods import get_method, lagkv
 from edgekv.session import Session
 
@@ -481,15 +481,7 @@ def test_device_scores_equal_host_reference(smollm2, toks, ck, cv, fa, path, mon
     ctx.close()
 
 
-def _has_avx512() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return " avx512f" in f.read()
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not _has_avx512(), reason="one score kernel on a CPU without AVX-512: nothing to compare")
+@pytest.mark.skipif(not cpu_flag("avx512f"), reason="one score kernel on a CPU without AVX-512: nothing to compare")
 def test_host_scores_are_the_same_bits_with_avx512_and_avx2(smollm2, toks, monkeypatch) -> None:
     # the host kernel's AVX-512 and AVX2 logits are the same chains of multiply-adds, so the
     # scores agree to the last bit: an AVX2-only CPU keeps the cells an AVX-512 one keeps.
