@@ -40,7 +40,7 @@ int32_t llama_edgekv_seq_cells(struct llama_context * ctx, llama_seq_id seq_id, 
 int32_t llama_edgekv_seq_compact(struct llama_context * ctx, llama_seq_id seq_id, int32_t n_keep,
                                 const int32_t * keep, const llama_pos * pos);
 int32_t llama_edgekv_seq_merge(struct llama_context * ctx, llama_seq_id seq_id, int32_t n_group, int32_t n_member,
-                              const int32_t * members, const float * weights);
+                              const int32_t * members, const float * weights, bool reference);
 int32_t llama_edgekv_bias_enable(struct llama_context * ctx);
 bool    llama_edgekv_bias_enabled(struct llama_context * ctx);
 int32_t llama_edgekv_seq_bias_get(struct llama_context * ctx, llama_seq_id seq_id, float * bias, int32_t n);
@@ -118,7 +118,7 @@ def build() -> Path:
     return _compile(
         "_edgekv_native", CDEF,
         '#include "llama-edgekv.h"\n'
-        "#if LLAMA_EDGEKV_API_VERSION < 8\n#error edgekv needs patch set v8 or later\n#endif\n",
+        "#if LLAMA_EDGEKV_API_VERSION < 9\n#error edgekv needs patch set v9 or later\n#endif\n",
         ["llama"],
     )
 

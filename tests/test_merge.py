@@ -123,6 +123,43 @@ def test_native_device_merge_writes_what_the_state_engine_writes(smollm2, toks, 
             assert np.mean(a != b) < 1e-3
 
 
+@pytest.mark.parametrize("graph", [False, True], ids=["host", "graph"])
+@pytest.mark.parametrize(("ct", "fa"), [("q8_0", "on"), ("q4_0", "on"), ("f16", "off")])
+def test_native_unbiased_merge_writes_the_state_engines_bytes(smollm2, toks, ct, fa, graph, monkeypatch) -> None:
+    """Without the bias the native engine rounds as the state engine does (ggml's reference
+    quantisers): the same blob after two merges. A cache in host memory merges in place;
+    the graph (``EDGEKV_GRAPH_OPS=1``), which rounds a quantised cache like set_rows, hands
+    a quantised cache's merge to the state engine, and so writes the same bytes too."""
+    if graph:
+        monkeypatch.setenv("EDGEKV_GRAPH_OPS", "1")
+    L, H = smollm2.arch.n_layer, smollm2.arch.n_head_kv
+    blobs, counts, host_merges = {}, {}, []
+    real_merge = StateEngine.merge
+
+    def counted(self, *a, **k) -> None:
+        host_merges.append(self)
+        real_merge(self, *a, **k)
+
+    monkeypatch.setattr(StateEngine, "merge", counted)
+    for name in ("state", "native"):
+        ctx = _ctx(smollm2, ct, fa)
+        eng = StateEngine(ctx) if name == "state" else NativeEngine(ctx)
+        host_merges.clear()
+        prefill(eng, toks)
+        rng = np.random.default_rng(11)
+        for _ in range(2):
+            eng.merge(*_plan(rng, L, H, eng.n_cells, 30), bias=False)
+        snap = eng.snapshot()
+        blobs[name], counts[name] = ctx.state_get(), snap.counts
+        assert not snap.bias
+        if name == "native":
+            assert not np.any(eng.bias_get())
+            assert len(host_merges) == (2 if graph and ct != "f16" else 0)  # which path merged
+        ctx.close()
+    np.testing.assert_array_equal(counts["state"], counts["native"])
+    assert blobs["state"] == blobs["native"]
+
+
 @pytest.mark.parametrize("engine", ["native", "state"])
 def test_counts_survive_save_restore_and_session_files(smollm2, tmp_path, engine) -> None:
     method = "chelsea" if engine == "native" else "chelsea_nobias"

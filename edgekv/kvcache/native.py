@@ -50,7 +50,7 @@ _ERRORS = {
 }
 
 
-NATIVE_API = 8  # the patch set version (LLAMA_EDGEKV_API_VERSION) these bindings are written for
+NATIVE_API = 9  # the patch set version (LLAMA_EDGEKV_API_VERSION) these bindings are written for
 READ_BYTES = 32 << 20  # float32 K+V one native read brings back at most (its device output buffer)
 
 
@@ -315,16 +315,15 @@ class NativeEngine:
         sources. With ``bias`` the count-weighted means are computed on the device
         (``llama_edgekv_seq_merge``, re-quantised by ``ggml_set_rows``) and attention adds
         log(count) from now on; without, attention weighs every cell as one token. An
-        unbiased merge of an F16 or F32 cache takes the device op too and zeroes the bias
-        after it (the op and the state engine's host merge write the same bytes there, and
-        the op does not rewrite the whole sequence); quantised caches, whose quantisers may
-        round a block one step apart, keep the state engine's merge. The device
-        merge runs one call per group width: if a later call fails, the cache holds some
-        averaged destinations without their counts, and the error says the op failed."""
+        unbiased merge takes the device op too, rounding with ggml's reference quantisers,
+        and zeroes the bias after it: it writes the state engine's bytes without rewriting
+        the whole sequence. Where the op cannot round that way (a quantised cache outside
+        host memory) the state engine's merge runs instead. The device merge runs one
+        call per group width: if a later call fails, the cache holds some averaged
+        destinations without their counts, and the error says the op failed."""
         self._gen += 1
         if not bias and not self._unbiased_on_device():
-            self._portable.merge(src, dst, bias=False)
-            self._biased = False  # a state write zeroes the device bias of every cell it writes
+            self._portable_merge(src, dst)
             return
         pos_cells = self.cell_positions()
         self._portable.fold_tally(pos_cells)
@@ -333,7 +332,14 @@ class NativeEngine:
         src, dst = check_merge(src, dst, self.n_layer, self.n_kv_head, n)
         old = self.tokens.full_counts(self.n_layer, n)
         old = np.ones((self.n_layer, self.n_kv_head, n), np.float32) if old is None else old
-        self._merge_in_place(src, dst, old)
+        try:
+            self._merge_in_place(src, dst, old, reference=not bias)
+        except NativeUnsupported:
+            if bias:
+                raise
+            # the op refuses before it changes anything, and its first call is the one that refuses
+            self._portable_merge(src, dst)
+            return
         self.tokens.set(self.tokens.full(pos, self.n_layer), merged_counts(old, src, dst, n),
                         rot=self.tokens.full_rot(pos, self.n_layer))
         self.compact(merge_keep(src, n))  # a backend that cannot compact: the state engine does it
@@ -347,11 +353,13 @@ class NativeEngine:
 
     def _unbiased_on_device(self) -> bool:
         """Whether an unbiased merge may run as the device op (see ``merge``)."""
-        types = {self.ctx.cache_type_k, self.ctx.cache_type_v}
-        return (self._alibi is None and types <= {"f16", "f32"} and "bias" in self.capabilities
-                and not self.ctx.model.arch.n_swa)
+        return self._alibi is None and "bias" in self.capabilities and not self.ctx.model.arch.n_swa
 
-    def _merge_in_place(self, src: np.ndarray, dst: np.ndarray, counts: np.ndarray) -> None:
+    def _portable_merge(self, src: np.ndarray, dst: np.ndarray) -> None:
+        self._portable.merge(src, dst, bias=False)
+        self._biased = False  # a state write zeroes the device bias of every cell it writes
+
+    def _merge_in_place(self, src: np.ndarray, dst: np.ndarray, counts: np.ndarray, *, reference: bool) -> None:
         """Run the device merge, one call per group width (``merge_groups``); (layer, head)s
         with fewer groups of a width are padded with groups of one source cell, which
         rewrite that cell unchanged before the compaction drops it."""
@@ -359,7 +367,7 @@ class NativeEngine:
         for members in merge_groups(src, dst):
             weights = np.where(members >= 0, np.take_along_axis(
                 counts, np.maximum(members, 0).reshape(L, H, -1), axis=2).reshape(members.shape), 0.0)
-            self._merge_groups(members, weights.astype(np.float32))
+            self._merge_groups(members, weights.astype(np.float32), reference=reference)
 
     def save(self) -> CacheState:
         state = self._portable.save()
@@ -478,14 +486,15 @@ class NativeEngine:
         bias = np.ascontiguousarray(bias if cell_order else self._to_cells(bias))
         self._check(self.lib.llama_edgekv_seq_bias_set(self._c, self.seq, self._f32(bias), self.n_cells), "bias_set")
 
-    def _merge_groups(self, members: np.ndarray, weights: np.ndarray) -> None:
+    def _merge_groups(self, members: np.ndarray, weights: np.ndarray, *, reference: bool = False) -> None:
         """The raw device op: average groups of cells per (layer, head) into each group's
         first member (``merge`` drives it and keeps the counts).
 
         ``members`` int [n_layer, n_kv_head, n_group, n_member] (cells in position
         order, -1 = unused) and ``weights`` float of the same shape. The merged cell's
         log-count bias becomes log(sum of its members' counts); compact the other
-        members away afterwards.
+        members away afterwards. ``reference`` rounds quantised rows as ggml's reference
+        quantisers do (the state engine's bytes) instead of as the backend's set_rows.
         """
         members = np.asarray(members)
         weights = np.asarray(weights, np.float32)
@@ -497,7 +506,7 @@ class NativeEngine:
         cells = np.where(members >= 0, order[np.maximum(members, 0)], -1).astype(np.int32)
         g, m = members.shape[2:]
         self._check(self.lib.llama_edgekv_seq_merge(self._c, self.seq, g, m, self._i32(np.ascontiguousarray(cells)),
-                                                   self._f32(np.ascontiguousarray(weights))), "merge")
+                                                   self._f32(np.ascontiguousarray(weights)), reference), "merge")
 
     def rotate_queries(self, q: np.ndarray) -> np.ndarray:
         """float32 ``q`` [..., head_dim_k] rotated like the cache's keys when llama.cpp

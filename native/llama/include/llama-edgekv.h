@@ -27,7 +27,8 @@ extern "C" {
 //   7: llama_edgekv_seq_lag_scores
 //   8: llama_edgekv_seq_lag_scores and llama_edgekv_seq_read (asked to) undo llama.cpp's
 //      Hadamard rotation of a quantised cache
-#define LLAMA_EDGEKV_API_VERSION 8
+//   9: llama_edgekv_seq_merge can round with ggml's reference quantisers (reference)
+#define LLAMA_EDGEKV_API_VERSION 9
 
 // what every op returns: LLAMA_EDGEKV_OK (or a count, where documented) or an error
 enum llama_edgekv_status {
@@ -78,13 +79,18 @@ LLAMA_API int32_t llama_edgekv_seq_compact(
 // the cache type. That cell's log-count bias becomes log(sum over members of
 // exp(bias)), so it carries the attention weight of every token it stands for. The
 // other members are left as they are: compact them away afterwards. Enables the bias.
+// Quantised rows are rounded as the backend's set_rows rounds them or, with reference, by
+// ggml's reference quantiser (the type's from_float_ref, what ggml_quantize_chunk writes
+// and what a host-side edit of the state blob writes). Only a cache in host memory can
+// round with the reference: elsewhere a quantised cache gets LLAMA_EDGEKV_ERR_UNSUPPORTED.
 LLAMA_API int32_t llama_edgekv_seq_merge(
         struct llama_context * ctx,
                 llama_seq_id   seq_id,
                      int32_t   n_group,
                      int32_t   n_member,
                const int32_t * members,
-                 const float * weights);
+                 const float * weights,
+                        bool   reference);
 
 // Log-count bias: once enabled, attention (flash and non-flash) adds bias[l][h][cell]
 // to the logits of KV head h in layer l. New tokens get 0. The bias is not part of

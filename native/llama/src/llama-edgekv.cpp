@@ -772,7 +772,7 @@ int32_t llama_edgekv_seq_compact(
 #pragma GCC optimize("fp-contract=off")
 #endif
 static bool edgekv_host_merge(const llama_edgekv_kv & e, int32_t n_group, int32_t n_member, const int32_t * mem,
-                              const float * wn, int32_t n_threads) {
+                              const float * wn, bool reference, int32_t n_threads) {
     const int32_t H = e.n_head_kv;
     const size_t per_layer = (size_t) H*n_group*n_member;
     return edgekv_host_parallel(2*e.n_layer, n_threads, [&](int32_t item, std::vector<uint8_t> & tmp) {
@@ -844,8 +844,10 @@ static bool edgekv_host_merge(const llama_edgekv_kv & e, int32_t n_group, int32_
             }
         }
         // F16 rounds to nearest even, as the backend's set_rows does (with or without F16C);
-        // other types go through the CPU backend's own quantiser, the one its set_rows calls
-        const ggml_from_float_t quantize = ggml_get_type_traits_cpu(t->type)->from_float;
+        // other types go through the CPU backend's own quantiser, the one its set_rows calls,
+        // or with reference through ggml's reference one (ggml_quantize_chunk's rounding)
+        const ggml_from_float_t quantize = reference ? ggml_get_type_traits(t->type)->from_float_ref
+                                                     : ggml_get_type_traits_cpu(t->type)->from_float;
         const auto store = [&](const float * o, uint8_t * dst, int64_t m) {
             if (t->type == GGML_TYPE_F32) {
                 memcpy(dst, o, m*sizeof(float));
@@ -917,7 +919,8 @@ static void edgekv_merge_rows(
 }
 
 int32_t llama_edgekv_seq_merge(
-        llama_context * ctx, llama_seq_id seq_id, int32_t n_group, int32_t n_member, const int32_t * members, const float * weights) {
+        llama_context * ctx, llama_seq_id seq_id, int32_t n_group, int32_t n_member, const int32_t * members,
+        const float * weights, bool reference) {
     llama_edgekv_kv e;
     int32_t rc = e.init_seq(ctx, seq_id);
     if (rc != LLAMA_EDGEKV_OK) {
@@ -955,35 +958,46 @@ int32_t llama_edgekv_seq_merge(
         }
     }
 
+    // Apple's Accelerate sums rows in float in its own order: there the graph, so the bytes
+    // are always the graph's. Elsewhere a cache in host memory merges on the host, quantised
+    // types included: they are dequantised as get_rows does and re-quantised by the CPU
+    // backend's quantiser, as set_rows does (or by the reference one), one head row (whole
+    // blocks) at a time.
+#if defined(__APPLE__)
+    bool host = false;
+#else
+    bool host = edgekv_host_cache(e);
+#endif
+    const auto exact_type = [](const ggml_tensor * t) {
+        return t->type == GGML_TYPE_F32 || t->type == GGML_TYPE_F16; // every path rounds these alike
+    };
+    const auto host_type = [&](const ggml_tensor * t, int32_t hd, bool trans) {
+        if (exact_type(t)) {
+            return true;
+        }
+        return !trans && hd % ggml_blck_size(t->type) == 0 && ggml_get_type_traits(t->type)->to_float
+               && (reference ? ggml_get_type_traits(t->type)->from_float_ref
+                             : ggml_get_type_traits_cpu(t->type)->from_float);
+    };
+    bool exact = true;
+    for (const auto & layer : e.layers()) {
+        host = host && host_type(layer.k, e.hd_k, false) && host_type(layer.v, e.hd_v, e.v_trans());
+        exact = exact && exact_type(layer.k) && exact_type(layer.v);
+    }
+    if (reference && !host && !exact) {
+        return LLAMA_EDGEKV_ERR_UNSUPPORTED; // set_rows rounds with the backend's quantiser
+    }
+
     llama_kv_cache * kv = e.kv;
 
     if (!kv->edgekv_bias_enable()) {
         return LLAMA_EDGEKV_ERR_UNSUPPORTED;
     }
 
-    // Apple's Accelerate sums rows in float in its own order: there the graph, so the bytes
-    // are always the graph's. Elsewhere a cache in host memory merges on the host, quantised
-    // types included: they are dequantised as get_rows does and re-quantised by the CPU
-    // backend's quantiser, as set_rows does, one head row (whole blocks) at a time.
-#if defined(__APPLE__)
-    bool host = false;
-#else
-    bool host = edgekv_host_cache(e);
-#endif
-    const auto host_type = [](const ggml_tensor * t, int32_t hd, bool trans) {
-        if (t->type == GGML_TYPE_F32 || t->type == GGML_TYPE_F16) {
-            return true;
-        }
-        return !trans && hd % ggml_blck_size(t->type) == 0 && ggml_get_type_traits(t->type)->to_float
-               && ggml_get_type_traits_cpu(t->type)->from_float;
-    };
-    for (const auto & layer : e.layers()) {
-        host = host && host_type(layer.k, e.hd_k, false) && host_type(layer.v, e.hd_v, e.v_trans());
-    }
     if (host) {
         llama_synchronize(ctx);
         ctx->edgekv_graph_reset(); // the bias may be new: the next decode graph must carry it
-        if (!edgekv_host_merge(e, n_group, n_member, mem.data(), wn.data(), (int32_t) ctx->n_threads())) {
+        if (!edgekv_host_merge(e, n_group, n_member, mem.data(), wn.data(), reference, (int32_t) ctx->n_threads())) {
             LLAMA_LOG_ERROR("%s: out of memory during a host merge; the cache is inconsistent\n", __func__);
             return LLAMA_EDGEKV_ERR_COMPUTE;
         }
