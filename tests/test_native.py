@@ -233,25 +233,26 @@ def test_a_read_of_many_layers_equals_reads_of_one(smollm2, toks, ck, cv, fa, mo
 def test_host_read_of_cells_with_holes_equals_the_graph(smollm2, toks, ck, cv, fa, monkeypatch) -> None:
     # cells freed in the middle of the sequence: the host path gathers a transposed V cell by
     # cell there instead of converting runs, and must still match the graph bit for bit; read
-    # unrotated (q8_0), both paths give the rows as stored unrotated by the snapshot's recipe
+    # unrotated (q8_0), both paths give the rows as stored unrotated by the snapshot's recipe,
+    # with the AVX-512 butterflies and with the AVX2 ones (EDGEKV_CPU=avx2)
     ctx, eng = _prefilled(smollm2, toks, ck, cv, fa)
     n0 = eng.n_cells
     assert ctx.seq_rm(0, 40, 97) and ctx.seq_rm(0, 130, 131)  # holes, cells still ascending
     n = n0 - 58
     L, H, d = smollm2.arch.n_layer, smollm2.arch.n_head_kv, eng.head_dim_v
     out = {}
-    for path, unrot in itertools.product(("0", "1"), (False, True)):
+    for path, unrot, cpu in itertools.product(("0", "1"), (False, True), ("", "avx2")):
         monkeypatch.setenv("EDGEKV_GRAPH_OPS", path)
+        monkeypatch.setenv("EDGEKV_CPU", cpu)
         k = np.full(L * H * n * d, np.nan, np.float32)
         v = np.full(L * H * n * d, np.nan, np.float32)
         assert eng.lib.llama_edgekv_seq_read(eng._c, 0, 0, L, eng.ffi.from_buffer("float[]", k),
                                              eng.ffi.from_buffer("float[]", v), n, unrot) == 0
-        out[path, unrot] = k, v
-    stored, unrotated = out["0", False], out["0", True]
+        out[path, unrot, cpu] = k, v
+    stored, unrotated = out["0", False, ""], out["0", True, ""]
     assert np.isfinite(stored[1]).all() and np.isfinite(stored[0]).all()
-    for unrot in (False, True):
-        assert np.array_equal(out["0", unrot][0], out["1", unrot][0])
-        assert np.array_equal(out["0", unrot][1], out["1", unrot][1])
+    for (_, unrot, _), (k, v) in out.items():
+        assert np.array_equal(k, out["0", unrot, ""][0]) and np.array_equal(v, out["0", unrot, ""][1])
     assert bool(ctx.k_rot) == (ck == "q8_0") and bool(ctx.v_rot) == (cv == "q8_0")
     assert np.array_equal(unrotated[0], unrotate(stored[0].reshape(-1, d), ctx.k_rot).ravel())
     assert np.array_equal(unrotated[1], unrotate(stored[1].reshape(-1, d), ctx.v_rot).ravel())
