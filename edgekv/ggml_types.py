@@ -74,3 +74,20 @@ def row_size(type_id: int, n: int) -> int:
     if n < 0 or n % t.block_size:
         raise StateLayoutError(f"{t.name} rows need a multiple of {t.block_size} elements, got {n}")
     return n // t.block_size * t.type_size
+
+
+def kv_types(spec: str) -> tuple[str, str]:
+    """(K, V) cache-type names from one benchmark cache type: ``q8_0`` for both halves, or
+    ``q8_0/q4_0`` for K and V apart (llama.cpp's ``-ctk q8_0 -ctv q4_0``: keys are the
+    half whose rounding moves attention, so users quantise them less)."""
+    parts = spec.split("/") if isinstance(spec, str) else []
+    if len(parts) not in (1, 2):
+        raise StateLayoutError(f"a KV cache type is one type name or K/V (q8_0/q4_0), got {spec!r}")
+    k, v = (type_by_name(t).name for t in (parts * 2)[:2])
+    return k, v
+
+
+def kv_kwargs(spec: str) -> dict[str, str]:
+    """``Session``'s ``cache_type_k``/``cache_type_v`` for one benchmark cache type (``kv_types``)."""
+    return dict(zip(("cache_type_k", "cache_type_v"), kv_types(spec), strict=True))
+

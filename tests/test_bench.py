@@ -254,6 +254,10 @@ def test_grid_plan_and_resume_keys(tmp_path) -> None:
         Grid(methods=["nope"]).validate()
     with pytest.raises(EdgekvError, match="ratios"):
         Grid(ratios=[1.5]).validate()
+    # K/V apart: only a quantised V needs flash attention
+    Grid(cache_types=["q8_0/f16"], flash_attn="off").validate()
+    with pytest.raises(EdgekvError, match=r"quantised V cache \(q8_0\) needs flash attention"):
+        Grid(cache_types=["f16/q8_0"], flash_attn="off").validate()
     base = {"model": "m", "cache_type": "f16", "task": "vt", "length": 1024, "seed": 0, "protocol": "agnostic",
             "template": "chat", "sample": 3, "method": "knorm", "ratio": 0.5}
     assert row_key(base) != row_key({**base, "ratio": 0.75}) != row_key({**base, "cache_type": "q8_0"})
@@ -348,6 +352,25 @@ def test_tiny_sweep_end_to_end(smollm2_path, tmp_path) -> None:
     assert res.exit_code == 2 and "unknown task" in res.output
     assert json.loads((tmp_path / "grid.json").read_text())["methods_resolved"] == ["full", "knorm"]
     assert (tmp_path / RESULTS_FILE).is_file()
+
+
+def test_a_sweep_quantises_k_and_v_apart(smollm2_path, tmp_path) -> None:
+    from edgekv.bench.report import write_report
+    from edgekv.bench.runner import Grid, load_rows, run_quality
+    from edgekv.gguf_info import kv_bytes_per_token
+    from edgekv.llama import Model
+
+    grid = Grid(models=[str(smollm2_path)], methods=["full"], lengths=[384], tasks=["niah_single"], n=1,
+                eval_tokens=8, threads=1, cache_types=["f16", "q8_0/f16"], out=tmp_path)
+    rows = {r["cache_type"]: r for r in load_rows(run_quality(grid, log=lambda s: None))}
+    info = Model(smollm2_path).info
+    for ct, k in (("f16", "f16"), ("q8_0/f16", "q8_0")):
+        # a V cache in f16 runs without flash attention (edgekv's auto on the CPU), whatever K is
+        assert rows[ct]["flash_attn"] == "off" and rows[ct]["score"] is not None
+        assert rows[ct]["kv_bytes"] == rows[ct]["cells"] * kv_bytes_per_token(info, k, "f16")
+    assert rows["q8_0/f16"]["kv_bytes"] < rows["f16"]["kv_bytes"]
+    _, plots = write_report(tmp_path)
+    assert any("_q8_0-f16_" in p.name for p in plots)
 
 
 @pytest.mark.slow

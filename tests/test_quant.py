@@ -202,6 +202,18 @@ def test_type_by_name() -> None:
         assert "iq4_nl" in str(e.value) and "\n" not in str(e.value)
 
 
+def test_kv_types_split_k_and_v() -> None:
+    from edgekv.ggml_types import kv_kwargs, kv_types
+
+    assert kv_types("q8_0") == ("q8_0", "q8_0")
+    assert kv_types("Q8_0/q4_0") == ("q8_0", "q4_0")
+    assert kv_kwargs("f16/q8_0") == {"cache_type_k": "f16", "cache_type_v": "q8_0"}
+    for bad in ("q8_0/q4_0/f16", "q8_0/", "/q4_0", "q8_0/q4_k"):
+        with pytest.raises(StateLayoutError) as e:
+            kv_types(bad)
+        assert "\n" not in str(e.value)
+
+
 def test_layout_errors() -> None:
     with pytest.raises(StateLayoutError):
         row_size(8, 48)

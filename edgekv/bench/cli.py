@@ -30,7 +30,7 @@ ModelOpt = Annotated[
     typer.Option("--model", help="GGUF path or registry name; comma-separated for several (default smollm2-135m)."),
 ]
 OutOpt = Annotated[Path, typer.Option("--out", help="Results directory (JSON lines, report.md, plots).")]
-CacheOpt = Annotated[str, typer.Option("--cache-types", help="KV cache types, comma-separated: f16, q8_0, q4_0, ...")]
+CacheOpt = Annotated[str, typer.Option("--cache-types", help="KV cache types, comma-separated: f16, q8_0, q4_0, ...; K/V apart as q8_0/q4_0")]
 FaHelp = ("Flash attention: auto (edgekv's: off for an unquantised V cache on the CPU, where it is 2.4-3.5x "
           "slower to decode; on for a quantised V cache), on or off.")
 ThreadsOpt = Annotated[int | None, typer.Option("--threads", "-t", help="CPU threads (default: all cores).")]

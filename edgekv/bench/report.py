@@ -336,7 +336,7 @@ def plot_quality(tab: Table, results_dir: Path) -> list[Path]:
         fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 6), fontsize=8, frameon=False)
         fig.suptitle(f"{model}, {length} tokens, {ct} KV, query-{protocol}", fontsize=10)
         fig.tight_layout(rect=(0, 0.06, 1, 0.96))
-        p = results_dir / f"accuracy_vs_ratio_{model}_{length}_{ct}_{protocol}.png"
+        p = results_dir / f"accuracy_vs_ratio_{model}_{length}_{ct.replace('/', '-')}_{protocol}.png"
         fig.savefig(p, dpi=110)
         plt.close(fig)
         written.append(p)

@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import EdgekvError
+from ..ggml_types import kv_kwargs, kv_types
 from ..methods import Method, get_method
 from . import protocol as evaluation
 from . import scoring, tasks
@@ -90,12 +91,10 @@ class Grid:
                 raise EdgekvError(f"context length {n} is too short (minimum 256)")
         if self.n < 1:
             raise EdgekvError("--n must be at least 1")
-        from ..kvcache.quant import type_by_name
         from ..llama import check_flash_attn
 
         for ct in self.cache_types:
-            type_by_name(ct)
-            check_flash_attn(self.flash_attn, ct)
+            check_flash_attn(self.flash_attn, kv_types(ct)[1])
         self.method_names()
 
 
@@ -266,8 +265,8 @@ def _run_streaming(model, grid: Grid, cache_type: str, prep: Prepared, method: s
 
     n_ctx = max(64, math.floor(n_prompt * (1.0 - ratio)))
     chunk = max(8, min(256, n_ctx // 4))
-    with Session(model, method=method, n_ctx=n_ctx, chunk=chunk, cache_type_k=cache_type,
-                 cache_type_v=cache_type, flash_attn=grid.flash_attn, n_threads=grid.threads) as sess:
+    with Session(model, method=method, n_ctx=n_ctx, chunk=chunk, **kv_kwargs(cache_type),
+                 flash_attn=grid.flash_attn, n_threads=grid.threads) as sess:
         t0 = time.perf_counter()
         if prep.sample.task == "ppl":
             sess.feed(prep.tokens[:-1])
@@ -388,7 +387,7 @@ def run_quality(grid: Grid, *, log: Callable[[str], None] | None = None) -> Path
                     for m in methods:  # a missing calibration stops here, not as hours of error rows
                         get_method(m).attach(models[model_arg][0].info)
                 model, label = models[model_arg]
-                fa = resolve_flash_attn(grid.flash_attn, ct, model.n_gpu_layers)
+                fa = resolve_flash_attn(grid.flash_attn, kv_types(ct)[1], model.n_gpu_layers)
                 base = {"model": label, "cache_type": ct, "task": task, "length": length, "seed": grid.seed,
                         "protocol": protocol, "template": template, "sample": i, "flash_attn": fa}
                 mine = evals_for(i)
@@ -406,7 +405,7 @@ def run_quality(grid: Grid, *, log: Callable[[str], None] | None = None) -> Path
                     if sess is not None:
                         sess.close()
                     sess = Session(model, method="full", n_ctx=length + grid.eval_tokens + 64 + scratch, chunk=512,
-                                   cache_type_k=ct, cache_type_v=ct, flash_attn=grid.flash_attn,
+                                   **kv_kwargs(ct), flash_attn=grid.flash_attn,
                                    n_threads=grid.threads, observe=observe, tally=tally, moments=moments)
                     sess_key = key
                 frame = tasks.chat_frame(model) if grid.chat and task != "ppl" else None

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import EdgekvError
+from ..ggml_types import kv_kwargs, kv_types
 
 SPEED_FILE = "speed.jsonl"
 
@@ -180,8 +181,8 @@ def _flash_settings(grid: SpeedGrid, ct: str, model, label: str, log: Callable[[
 
     fas: list[str] = []
     for fa in grid.flash_attn:
-        r = resolve_flash_attn(fa, ct, model.n_gpu_layers)
-        if r == "off" and ct not in UNQUANTISED_V:
+        r = resolve_flash_attn(fa, kv_types(ct)[1], model.n_gpu_layers)
+        if r == "off" and kv_types(ct)[1] not in UNQUANTISED_V:
             log(f"skip {label} {ct} with flash attention off: a quantised V cache needs it")
         elif r not in fas:
             fas.append(r)
@@ -192,8 +193,8 @@ def _fresh(model, toks: list[int], grid: SpeedGrid, ct: str, fa: str, Session, o
            moments: bool) -> tuple:
     """A new context prefilled with ``toks`` and saved: the baseline a compressed cache of
     as many cells is compared with (recording the same queries while it decodes)."""
-    sess = Session(model, method="full", n_ctx=len(toks) + grid.decode_tokens + 16, chunk=512, cache_type_k=ct,
-                   cache_type_v=ct, flash_attn=fa, n_threads=grid.threads, observe=observe, moments=moments)
+    sess = Session(model, method="full", n_ctx=len(toks) + grid.decode_tokens + 16, chunk=512, **kv_kwargs(ct),
+                   flash_attn=fa, n_threads=grid.threads, observe=observe, moments=moments)
     sess.feed(toks)
     return sess, sess.save(), len(toks)
 
@@ -214,7 +215,7 @@ def _one(model, label, ct, fa, length, grid: SpeedGrid, Session, log) -> list[di
     # (H2O's tally would slow every decode of this shared session: tallying methods run in stream mode only)
     observe = max((get_method(m).queries_needed for m in grid.methods), default=0)
     moments = any(get_method(m).query_statistics for m in grid.methods)  # Expected Attention's statistics
-    with Session(model, method="full", n_ctx=n_ctx, chunk=512, cache_type_k=ct, cache_type_v=ct,
+    with Session(model, method="full", n_ctx=n_ctx, chunk=512, **kv_kwargs(ct),
                  flash_attn=fa, n_threads=grid.threads, observe=observe, moments=moments) as sess:
         reset_peak_rss()
         pre = protocol.prefill(sess, toks)
@@ -271,7 +272,7 @@ def _one(model, label, ct, fa, length, grid: SpeedGrid, Session, log) -> list[di
         shift = getattr(cls, "shifts_positions", False)
         kw = {"n_ctx": budget + 256} if shift else {"budget": budget, "n_ctx": budget + 256}
         try:
-            sess = Session(model, method=m, chunk=256, cache_type_k=ct, cache_type_v=ct,
+            sess = Session(model, method=m, chunk=256, **kv_kwargs(ct),
                            flash_attn=fa, n_threads=grid.threads, **kw)
         except EdgekvError as e:
             log(f"  stream {m}: {e}")
