@@ -612,70 +612,82 @@ static void edgekv_unrotate_tiles(float * x, size_t n, int32_t hd, int32_t block
 // edgekv_fwht_lanes, so the floats are its floats. Without the transposes to and from
 // channel-major tiles, 8192 rows of 64 took 0.56 ms (AVX-512) and 0.94 ms (AVX2) against
 // the tiles' 3.3 ms on one thread of an Intel Xeon.
-template <int BLOCK>
-__attribute__((target("avx512f")))
-static void edgekv_unrotate_rows_avx512(float * x, size_t n, int32_t hd) {
-    constexpr int R = BLOCK/8;
-    const __m512d scale = _mm512_set1_pd(1.0/std::sqrt((double) BLOCK));
+//
+// What differs between instruction sets (a register's width, its conversions, the strides
+// within it) is in a struct of its own; the loops over rows and registers are written once
+// and flattened into each target's entry, where those calls inline.
+struct edgekv_rows_avx512 {
+    typedef __m512d reg;
+    static constexpr int W = 8;
+    // W channels as doubles, through the strides within the register
+    __attribute__((target("avx512f"))) static void load(const float * p, reg & r) {
+        r = _mm512_cvtps_pd(_mm256_loadu_ps(p));
+        __m512d q = _mm512_permute_pd(r, 0x55);                                      // stride 1
+        r = _mm512_mask_sub_pd(_mm512_add_pd(r, q), 0xAA, q, r);
+        q = _mm512_permutex_pd(r, _MM_SHUFFLE(1, 0, 3, 2));                           // stride 2
+        r = _mm512_mask_sub_pd(_mm512_add_pd(r, q), 0xCC, q, r);
+        q = _mm512_shuffle_f64x2(r, r, _MM_SHUFFLE(1, 0, 3, 2));                      // stride 4
+        r = _mm512_mask_sub_pd(_mm512_add_pd(r, q), 0xF0, q, r);
+    }
+    __attribute__((target("avx512f"))) static void store(float * p, const reg & r, double scale) {
+        _mm256_storeu_ps(p, _mm512_cvtpd_ps(_mm512_mul_pd(r, _mm512_set1_pd(scale))));
+    }
+};
+
+struct edgekv_rows_avx2 {
+    typedef __m256d reg;
+    static constexpr int W = 4;
+    // W channels as doubles, through the strides within the register
+    __attribute__((target("avx2"))) static void load(const float * p, reg & r) {
+        r = _mm256_cvtps_pd(_mm_loadu_ps(p));
+        __m256d q = _mm256_permute_pd(r, 0x5);                                         // stride 1
+        r = _mm256_blend_pd(_mm256_add_pd(r, q), _mm256_sub_pd(q, r), 0xA);
+        q = _mm256_permute2f128_pd(r, r, 0x01);                                       // stride 2
+        r = _mm256_blend_pd(_mm256_add_pd(r, q), _mm256_sub_pd(q, r), 0xC);
+    }
+    __attribute__((target("avx2"))) static void store(float * p, const reg & r, double scale) {
+        _mm_storeu_ps(p, _mm256_cvtpd_ps(_mm256_mul_pd(r, _mm256_set1_pd(scale))));
+    }
+};
+
+// the registers' strides (W, 2W, ...): GCC's vector operators on the ISA's own register type
+template <class ISA, int BLOCK>
+static void edgekv_unrotate_rows_in_registers(float * x, size_t n, int32_t hd) {
+    constexpr int R = BLOCK/ISA::W;
+    const double scale = 1.0/std::sqrt((double) BLOCK);
     for (size_t i = 0; i < n; ++i) {
         for (int32_t b0 = 0; b0 < hd; b0 += BLOCK) {
             float * o = x + i*hd + b0;
-            __m512d r[R];
+            typename ISA::reg r[R];
             for (int k = 0; k < R; ++k) {
-                r[k] = _mm512_cvtps_pd(_mm256_loadu_ps(o + 8*k));
-                __m512d p = _mm512_permute_pd(r[k], 0x55);                          // stride 1
-                r[k] = _mm512_mask_sub_pd(_mm512_add_pd(r[k], p), 0xAA, p, r[k]);
-                p = _mm512_permutex_pd(r[k], _MM_SHUFFLE(1, 0, 3, 2));               // stride 2
-                r[k] = _mm512_mask_sub_pd(_mm512_add_pd(r[k], p), 0xCC, p, r[k]);
-                p = _mm512_shuffle_f64x2(r[k], r[k], _MM_SHUFFLE(1, 0, 3, 2));       // stride 4
-                r[k] = _mm512_mask_sub_pd(_mm512_add_pd(r[k], p), 0xF0, p, r[k]);
+                ISA::load(o + ISA::W*k, r[k]);
             }
-            for (int h = 1; h < R; h *= 2) {                                         // strides 8, 16, ...
+            for (int h = 1; h < R; h *= 2) {
                 for (int j0 = 0; j0 < R; j0 += 2*h) {
                     for (int j = j0; j < j0 + h; ++j) {
-                        const __m512d u = r[j], v = r[j + h];
-                        r[j] = _mm512_add_pd(u, v);
-                        r[j + h] = _mm512_sub_pd(u, v);
+                        const typename ISA::reg u = r[j], v = r[j + h];
+                        r[j] = u + v;
+                        r[j + h] = u - v;
                     }
                 }
             }
             for (int k = 0; k < R; ++k) {
-                _mm256_storeu_ps(o + 8*k, _mm512_cvtpd_ps(_mm512_mul_pd(r[k], scale)));
+                ISA::store(o + ISA::W*k, r[k], scale);
             }
         }
     }
 }
 
 template <int BLOCK>
-__attribute__((target("avx2")))
+__attribute__((target("avx512f"), flatten))
+static void edgekv_unrotate_rows_avx512(float * x, size_t n, int32_t hd) {
+    edgekv_unrotate_rows_in_registers<edgekv_rows_avx512, BLOCK>(x, n, hd);
+}
+
+template <int BLOCK>
+__attribute__((target("avx2"), flatten))
 static void edgekv_unrotate_rows_avx2(float * x, size_t n, int32_t hd) {
-    constexpr int R = BLOCK/4;
-    const __m256d scale = _mm256_set1_pd(1.0/std::sqrt((double) BLOCK));
-    for (size_t i = 0; i < n; ++i) {
-        for (int32_t b0 = 0; b0 < hd; b0 += BLOCK) {
-            float * o = x + i*hd + b0;
-            __m256d r[R];
-            for (int k = 0; k < R; ++k) {
-                r[k] = _mm256_cvtps_pd(_mm_loadu_ps(o + 4*k));
-                __m256d p = _mm256_permute_pd(r[k], 0x5);                             // stride 1
-                r[k] = _mm256_blend_pd(_mm256_add_pd(r[k], p), _mm256_sub_pd(p, r[k]), 0xA);
-                p = _mm256_permute2f128_pd(r[k], r[k], 0x01);                        // stride 2
-                r[k] = _mm256_blend_pd(_mm256_add_pd(r[k], p), _mm256_sub_pd(p, r[k]), 0xC);
-            }
-            for (int h = 1; h < R; h *= 2) {                                         // strides 4, 8, ...
-                for (int j0 = 0; j0 < R; j0 += 2*h) {
-                    for (int j = j0; j < j0 + h; ++j) {
-                        const __m256d u = r[j], v = r[j + h];
-                        r[j] = _mm256_add_pd(u, v);
-                        r[j + h] = _mm256_sub_pd(u, v);
-                    }
-                }
-            }
-            for (int k = 0; k < R; ++k) {
-                _mm_storeu_ps(o + 4*k, _mm256_cvtpd_ps(_mm256_mul_pd(r[k], scale)));
-            }
-        }
-    }
+    edgekv_unrotate_rows_in_registers<edgekv_rows_avx2, BLOCK>(x, n, hd);
 }
 #endif
 
