@@ -67,6 +67,18 @@ def test_scores_in_chunks_of_cells_are_the_one_pass_floats(monkeypatch) -> None:
     np.testing.assert_array_equal(got, expected_attention_scores(mu, cov, k, v, scored, 0.125, bias))
 
 
+@pytest.mark.parametrize("dv", [1, 7, 64, 72, 128, 200, 256, 576])
+def test_value_norms_are_numpys_floats(dv: int) -> None:
+    # the compiled pass must add the squares in numpy's pairwise order (eight partial sums per
+    # block of 128, longer rows halved), or a norm moves in its last bit and a kept cell with it;
+    # values spread over 2^-20 to 2^20, a strided view as the snapshot hands out
+    rng = np.random.default_rng(dv)
+    v = rng.standard_normal((1100, 6, dv)) * np.exp2(rng.uniform(-20, 20, (1100, 6, 1)))
+    v = v.astype(np.float32)[:, ::2]
+    want = np.linalg.norm(v.astype(np.float64), axis=2)
+    assert expected_attention._value_norms(v).tobytes() == want.tobytes()
+
+
 @pytest.mark.parametrize("engine", ["state", "native"])
 def test_the_engine_keeps_the_statistics_of_the_unrotated_queries(smollm2_path, engine) -> None:
     """The moments after a chunked prefill equal the mean and covariance of every query the

@@ -113,7 +113,8 @@ class Method:
 
     def attach(self, info: ModelInfo) -> None:
         """Called by the Session with the model it runs: a method with per-model data
-        (CompressKV's calibrated retrieval heads) loads and checks it here."""
+        (CompressKV's calibrated retrieval heads) loads and checks it here, and one with
+        compiled kernels loads them (a first call in the middle of a reply would stall it)."""
 
     def due(self, tokens_since_compress: int, n_cells: int) -> bool:
         """Incremental methods: compress now, before the cache is full?

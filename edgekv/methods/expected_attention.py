@@ -23,8 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 
 from ..errors import EdgekvError
+from ..gguf_info import ModelInfo
 from ..kvcache.snapshot import KVSnapshot
 from .base import ScorerMethod
 
@@ -59,6 +61,11 @@ class ExpectedAttention(ScorerMethod):
             raise ValueError(f"n_future_positions must be at least 1, got {self.n_future_positions}")
         if self.epsilon < 0:
             raise ValueError(f"epsilon must not be negative, got {self.epsilon}")
+
+    def attach(self, info: ModelInfo) -> None:
+        # numba's first call in a process (0.2 to 0.6 s) at the Session's start, not at the
+        # first compression
+        _value_norms(np.zeros((1, 1, 8), np.float32))
 
     def fetch(self, snap: KVSnapshot, layer: int) -> None:
         snap.prefetch(layer, values=self.use_vnorm)
@@ -108,7 +115,9 @@ def expected_attention_scores(mu: np.ndarray, cov: np.ndarray | None, k: np.ndar
             covs = cov[heads].transpose(1, 0, 2).reshape(d, group * d).astype(np.float32)
             for c0, c1 in _chunks(kh.shape[0]):
                 k32 = np.ascontiguousarray(kh[c0:c1], np.float32)
-                quad = np.einsum("cgd,cd->gc", (k32 @ covs).reshape(-1, group, d), k32, optimize=True)
+                # k^T C k per key and query head: one batched product [c, group, d] x [c, d, 1], the
+                # one numpy's einsum("cgd,cd->gc", optimize=True) runs, without its parsing per call
+                quad = np.matmul((k32 @ covs).reshape(-1, group, d), k32[:, :, None])[:, :, 0].T
                 logits[:, c0:c1] += 0.5 * kq_scale**2 * quad.astype(np.float64)
         if bias is not None:
             logits += bias[h, cols]
@@ -132,10 +141,55 @@ def _chunks(n: int) -> list[tuple[int, int]]:
 
 def _value_norms(v: np.ndarray) -> np.ndarray:
     """float64 [n, n_kv_head]: ``np.linalg.norm(v.astype(np.float64), axis=2)``, the same
-    floats, a chunk of cells at a time (a whole layer's float64 copy and its squares left
-    the cache and took twice as long)."""
+    floats (tested). Rows of up to 128 channels (numpy's pairwise sum adds them as one
+    block) in one compiled pass over the float32 values: numpy's float64 copy and its
+    squares cost more than the sums; longer rows take numpy's own path."""
+    if v.shape[2] > 128:
+        return np.linalg.norm(v.astype(np.float64), axis=2)
     out = np.empty(v.shape[:2])
-    for c0, c1 in _chunks(v.shape[0]):
-        x = v[c0:c1].astype(np.float64)
-        np.sqrt(np.add.reduce(x * x, axis=2), out=out[c0:c1])
+    _norms_into(np.ascontiguousarray(v, np.float32), out)
     return out
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _sq(e):  # pragma: no cover - compiled
+    f = np.float64(e)
+    return f * f
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _block_sum_squares(x, lo, n):  # pragma: no cover - compiled
+    """numpy's pairwise sum (``add.reduce`` over a contiguous run) of x[lo:lo+n]**2 in
+    float64 for n <= 128, one block: eight interleaved partial sums, sequential below 8."""
+    if n < 8:
+        s = 0.0
+        for m in range(lo, lo + n):
+            s += _sq(x[m])
+        return s
+    r0, r1, r2, r3 = _sq(x[lo]), _sq(x[lo + 1]), _sq(x[lo + 2]), _sq(x[lo + 3])
+    r4, r5, r6, r7 = _sq(x[lo + 4]), _sq(x[lo + 5]), _sq(x[lo + 6]), _sq(x[lo + 7])
+    m = lo + 8
+    while m + 8 <= lo + n:
+        r0 += _sq(x[m])
+        r1 += _sq(x[m + 1])
+        r2 += _sq(x[m + 2])
+        r3 += _sq(x[m + 3])
+        r4 += _sq(x[m + 4])
+        r5 += _sq(x[m + 5])
+        r6 += _sq(x[m + 6])
+        r7 += _sq(x[m + 7])
+        m += 8
+    s = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    while m < lo + n:
+        s += _sq(x[m])
+        m += 1
+    return s
+
+
+@njit(cache=True, nogil=True)
+def _norms_into(v, out):  # pragma: no cover - compiled
+    n, h, d = v.shape
+    flat = v.reshape(n * h * d)
+    for i in range(n):
+        for j in range(h):
+            out[i, j] = np.sqrt(_block_sum_squares(flat, (i * h + j) * d, d))
