@@ -15,8 +15,9 @@ one-shot (``scheduled=False``: LagKV's incremental schedule is not asked) under
 to 1k by default. The stall is the difference of the two times (medians over the
 rounds); the compression's own time, from the session's counters, is beside it.
 
-Methods that tally attention from the sequence's start (H2O) are left out: their
-tally would slow every decode of the shared session (``attention_cost`` measures H2O).
+Methods that tally attention from the sequence's start (H2O) get a Session of their own,
+prefilled with the tally on: it would slow every other method's turns, and an H2O chat
+pays it on both of its turns, with room and when full.
 Writes ``bench/results/stall.json`` (``stall_<model>.json`` for another ``--model``).
 ``--update`` replaces only the rows of the methods and cache types this run measures and
 keeps the others (each row records the command, the commit and the CPU that measured it;
@@ -56,78 +57,29 @@ def main() -> None:
     from edgekv.llama import Model, SamplerConfig
     from edgekv.methods import METHODS, get_method
     from edgekv.models import resolve_model
-    from edgekv.session import Session
 
     names = list(METHODS) if a.methods == "all" else a.methods.split(",")
     try:  # a name may carry parameters (chunkkv:per_layer=false:chunk=10)
         methods = {m: get_method(m) for m in names}
     except (EdgekvError, ValueError) as e:
         ap.error(str(e))
-    names = [m for m in names if methods[m].compresses and not methods[m].tallies]
+    names = [m for m in names if methods[m].compresses]
     model = Model(resolve_model(a.model))
     question = model.apply_chat_template([{"role": "user", "content": "What did the letter say about the ball "
                                            "at Netherfield, and who wrote it?"}], add_assistant=True)
     spare = 64
     toks = long_text_tokens(model, a.length + spare - 14)
     greedy = SamplerConfig(temperature=0)
-    observe = max(methods[m].queries_needed for m in names)
-    moments = any(methods[m].query_statistics for m in names)
     rows = []
     command = " ".join(["bench/stall.py", *sys.argv[1:]])
     here = machine()
     commit, cpu = here["commit"], here["cpu"]  # per row: --update keeps rows measured at other commits and on other CPUs
     for ct in a.cache_types.split(","):
-        with Session(model, method="full", n_ctx=a.length + spare, chunk=512, cache_type_k=ct, cache_type_v=ct,
-                     n_threads=a.threads, observe=observe, moments=moments) as s:
-            states = {}
-            for kind, n in (("room", a.length), ("full", len(toks))):
-                s.reset()
-                t0 = time.perf_counter()
-                s.feed(toks[:n])
-                states[kind] = s.save()
-                print(f"{ct}: prefilled {n} cells ({kind}) in {time.perf_counter() - t0:.1f} s", flush=True)
-            n_turn = len(model.tokenize(question, add_special=False, parse_special=True))
-            assert a.length + n_turn + 1 <= a.length + spare < len(toks) + n_turn  # fits, then does not
-            times: dict[str, dict[str, list[float]]] = {m: {"room": [], "full": [], "compress": []} for m in names}
-            refused: dict[str, str] = {}
-            cells_after: dict[str, int] = {}
-            for r in range(a.rounds):
-                for m in [m for m in (names if r % 2 == 0 else reversed(names)) if m not in refused]:
-                    for kind in ("room", "full") if r % 2 == 0 else ("full", "room"):
-                        s.restore(states[kind])
-                        try:
-                            s.use(m, ratio=a.ratio, scheduled=False)
-                        except EdgekvError as e:  # a method this cache or engine cannot run
-                            refused[m] = str(e)
-                            print(f"{ct} {m}: refused: {e}", flush=True)
-                            break
-                        before, spent = s.stats.compressions, s.stats.compress_seconds
-                        t0 = time.perf_counter()
-                        s.feed_text(question, add_special=False)
-                        s.step(greedy)
-                        times[m][kind].append(time.perf_counter() - t0)
-                        compressed = s.stats.compressions - before
-                        if kind == "full":
-                            times[m]["compress"].append(s.stats.compress_seconds - spent)
-                            cells_after[m] = s.engine.n_cells
-                        if compressed != (kind == "full"):
-                            raise SystemExit(f"{m}: the {kind} turn compressed {compressed} times")
-                    if m in refused:
-                        continue
-                    print(f"round {r + 1}/{a.rounds} {ct} {m}: first token {times[m]['room'][-1]:.2f} s with room, "
-                          f"{times[m]['full'][-1]:.2f} s when full (compression {times[m]['compress'][-1]:.2f} s)",
-                          flush=True)
-            for m, why in refused.items():
-                rows.append({"method": m, "cache_type": ct, "length": a.length, "refused": why, "command": command,
-                             "commit": commit, "cpu": cpu})
-            for m in [m for m in names if m not in refused]:
-                room, full = statistics.median(times[m]["room"]), statistics.median(times[m]["full"])
-                rows.append({"method": m, "cache_type": ct, "length": a.length, "ratio": a.ratio,
-                             "cells_after": cells_after[m], "turn_tokens": n_turn,
-                             "first_token_s_room": round(room, 3), "first_token_s_full": round(full, 3),
-                             "stall_s": round(full - room, 3),
-                             "compress_s": round(statistics.median(times[m]["compress"]), 3), "raw": times[m],
-                             "command": command, "commit": commit, "cpu": cpu})
+        for tally in (False, True):  # the tallying methods in a session of their own
+            group = [m for m in names if methods[m].tallies == tally]
+            if group:
+                rows += _measure(a, model, ct, group, methods, tally, toks, question, spare, greedy,
+                                 {"command": command, "commit": commit, "cpu": cpu})
     model.close()
     name = a.out or ("stall" if a.model == "smollm2-135m" else f"stall_{Path(a.model).name.removesuffix('.gguf')}")
     if a.update and (RESULTS / f"{name}.json").exists():
@@ -148,6 +100,70 @@ def main() -> None:
         print(f"{row['method']:18s} {row['cache_type']:6s} {row['first_token_s_room']:7.2f} "
               f"{row['first_token_s_full']:7.2f} {row['stall_s']:8.2f} {row['compress_s']:10.2f}")
     print(f"wrote {out}")
+
+
+def _measure(a, model, ct: str, group: list[str], methods: dict, tally: bool, toks: list[int], question: str,
+             spare: int, greedy, stamp: dict) -> list[dict]:
+    """One cache type's rows for ``group``: one Session, prefilled to the two states, each
+    method's turns taken in alternating order."""
+    from edgekv.errors import EdgekvError
+    from edgekv.ggml_types import kv_kwargs
+    from edgekv.session import Session
+
+    observe = max(methods[m].queries_needed for m in group)
+    moments = any(methods[m].query_statistics for m in group)
+    rows = []
+    with Session(model, method="full", n_ctx=a.length + spare, chunk=512, **kv_kwargs(ct),
+                 n_threads=a.threads, observe=observe, moments=moments, tally=tally) as s:
+        states = {}
+        for kind, n in (("room", a.length), ("full", len(toks))):
+            s.reset()
+            t0 = time.perf_counter()
+            s.feed(toks[:n])
+            states[kind] = s.save()
+            print(f"{ct}: prefilled {n} cells ({kind}) in {time.perf_counter() - t0:.1f} s", flush=True)
+        n_turn = len(model.tokenize(question, add_special=False, parse_special=True))
+        assert a.length + n_turn + 1 <= a.length + spare < len(toks) + n_turn  # fits, then does not
+        times: dict[str, dict[str, list[float]]] = {m: {"room": [], "full": [], "compress": []} for m in group}
+        refused: dict[str, str] = {}
+        cells_after: dict[str, int] = {}
+        for r in range(a.rounds):
+            for m in [m for m in (group if r % 2 == 0 else reversed(group)) if m not in refused]:
+                for kind in ("room", "full") if r % 2 == 0 else ("full", "room"):
+                    s.restore(states[kind])
+                    try:
+                        s.use(m, ratio=a.ratio, scheduled=False)
+                    except EdgekvError as e:  # a method this cache or engine cannot run
+                        refused[m] = str(e)
+                        print(f"{ct} {m}: refused: {e}", flush=True)
+                        break
+                    before, spent = s.stats.compressions, s.stats.compress_seconds
+                    t0 = time.perf_counter()
+                    s.feed_text(question, add_special=False)
+                    s.step(greedy)
+                    times[m][kind].append(time.perf_counter() - t0)
+                    compressed = s.stats.compressions - before
+                    if kind == "full":
+                        times[m]["compress"].append(s.stats.compress_seconds - spent)
+                        cells_after[m] = s.engine.n_cells
+                    if compressed != (kind == "full"):
+                        raise SystemExit(f"{m}: the {kind} turn compressed {compressed} times")
+                if m in refused:
+                    continue
+                print(f"round {r + 1}/{a.rounds} {ct} {m}: first token {times[m]['room'][-1]:.2f} s with room, "
+                      f"{times[m]['full'][-1]:.2f} s when full (compression {times[m]['compress'][-1]:.2f} s)",
+                      flush=True)
+        for m, why in refused.items():
+            rows.append({"method": m, "cache_type": ct, "length": a.length, "refused": why, **stamp})
+        for m in [m for m in group if m not in refused]:
+            room, full = statistics.median(times[m]["room"]), statistics.median(times[m]["full"])
+            rows.append({"method": m, "cache_type": ct, "length": a.length, "ratio": a.ratio,
+                         "cells_after": cells_after[m], "turn_tokens": n_turn,
+                         "first_token_s_room": round(room, 3), "first_token_s_full": round(full, 3),
+                         "stall_s": round(full - room, 3),
+                         "compress_s": round(statistics.median(times[m]["compress"]), 3), "raw": times[m],
+                         **stamp})
+    return rows
 
 
 if __name__ == "__main__":
