@@ -346,27 +346,35 @@ def plot_quality(tab: Table, results_dir: Path) -> list[Path]:
         groups[(cfg[0], cfg[2], cfg[3])].append(cfg)
     markers = {"f16": "o", "q8_0": "s", "q4_0": "^", "f32": "D", "bf16": "v"}
     for (model, length, protocol), cfgs in groups.items():
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        fig, ax = plt.subplots(figsize=(10, 5.6))
         methods = _method_order({m for c in cfgs for m, _ in tab.evals(c)})
-        colors = {m: f"C{i}" for i, m in enumerate(methods)}
+        cmap = plt.get_cmap("tab20" if len(methods) > 10 else "tab10")
+        colors = {m: cmap(i % cmap.N) for i, m in enumerate(methods)}
+        other = iter("PXDv<>*h")  # K/V mixes and rarer types
         for cfg in cfgs:
+            marker = markers.setdefault(cfg[1], next(other, "x"))
             for m in methods:
                 pts = [(tab.kv(cfg, m, r)[0], tab.qa_avg(cfg, m, r)) for mm, r in tab.evals(cfg) if mm == m]
                 pts = sorted(p for p in pts if not math.isnan(p[1]))
                 if not pts:
                     continue
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers.get(cfg[1], "x"),
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker,
                         color=colors[m], ls="-" if cfg[1] == "f16" else ":", ms=4,
                         label=f"{m} ({cfg[1]})")
         best = frontiers(tab)[(model, length, protocol)].best
         if len({c[1] for c in cfgs}) > 1 and len(best) > 1:  # quantise, evict, or both: what no point beats
             ax.step([p.mib for p in best], [p.qa for p in best], where="post", color="k", lw=1.6, alpha=0.55,
                     zorder=0, label="Pareto frontier")
+            for p in best:  # name the points a user would pick
+                name = p.method if p.method == "full" else f"{p.method}@{p.ratio:g}"
+                ax.annotate(f"{name} {p.cache}", (p.mib, p.qa), textcoords="offset points", xytext=(4, -9),
+                            fontsize=6.5, color="k")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("KV cache MiB (log2)")
         ax.set_ylabel("QA average score %")
         ax.set_title(f"{model}, {length} tokens, query-{protocol}", fontsize=10)
-        ax.legend(fontsize=7, ncol=2)
+        ax.legend(fontsize=6.5, ncol=1 if len(ax.get_lines()) <= 30 else 2, loc="upper left",
+                  bbox_to_anchor=(1.01, 1.0), frameon=False)
         fig.tight_layout()
         p = results_dir / f"accuracy_vs_kv_bytes_{model}_{length}_{protocol}.png"
         fig.savefig(p, dpi=110)
