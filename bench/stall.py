@@ -4,8 +4,8 @@ chat reply whose turn triggers a compression, against the same turn with room to
 
     .venv/bin/edgekv bench run stall --length 8192 --cache-types f16,q8_0 --rounds 3
 
-One Session of ``--length + 64`` cells per cache type is prefilled twice with the same
-real text (recording the observation window and, for Expected Attention, the query
+One Session of ``--length + 64`` cells per cache type (a second one for H2O, below) is
+prefilled twice with the same real text (recording the observation window and, for Expected Attention, the query
 statistics, as a chat does): once to ``--length`` cells, where the turn fits, and once
 to 14 cells short of full, where it does not. Then, per round and per method in turn,
 each state is restored and one user turn (the chat template's text for a short
@@ -33,6 +33,11 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from edgekv.llama import Model, SamplerConfig
+    from edgekv.methods import Method
 
 
 def main() -> None:
@@ -78,8 +83,8 @@ def main() -> None:
         for tally in (False, True):  # the tallying methods in a session of their own
             group = [m for m in names if methods[m].tallies == tally]
             if group:
-                rows += _measure(a, model, ct, group, methods, tally, toks, question, spare, greedy,
-                                 {"command": command, "commit": commit, "cpu": cpu})
+                rows += _measure(a, model, ct, group, methods=methods, tally=tally, toks=toks, question=question,
+                                 spare=spare, greedy=greedy, stamp={"command": command, "commit": commit, "cpu": cpu})
     model.close()
     name = a.out or ("stall" if a.model == "smollm2-135m" else f"stall_{Path(a.model).name.removesuffix('.gguf')}")
     if a.update and (RESULTS / f"{name}.json").exists():
@@ -102,8 +107,9 @@ def main() -> None:
     print(f"wrote {out}")
 
 
-def _measure(a, model, ct: str, group: list[str], methods: dict, tally: bool, toks: list[int], question: str,
-             spare: int, greedy, stamp: dict) -> list[dict]:
+def _measure(a: argparse.Namespace, model: Model, ct: str, group: list[str], *, methods: dict[str, Method],
+             tally: bool, toks: list[int], question: str, spare: int, greedy: SamplerConfig,
+             stamp: dict[str, str]) -> list[dict]:
     """One cache type's rows for ``group``: one Session, prefilled to the two states, each
     method's turns taken in alternating order."""
     from edgekv.errors import EdgekvError

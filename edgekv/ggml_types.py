@@ -90,4 +90,3 @@ def kv_types(spec: str) -> tuple[str, str]:
 def kv_kwargs(spec: str) -> dict[str, str]:
     """``Session``'s ``cache_type_k``/``cache_type_v`` for one benchmark cache type (``kv_types``)."""
     return dict(zip(("cache_type_k", "cache_type_v"), kv_types(spec), strict=True))
-

@@ -357,13 +357,12 @@ def test_tiny_sweep_end_to_end(smollm2_path, tmp_path) -> None:
 def test_a_sweep_quantises_k_and_v_apart(smollm2_path, tmp_path) -> None:
     from edgekv.bench.report import write_report
     from edgekv.bench.runner import Grid, load_rows, run_quality
-    from edgekv.gguf_info import kv_bytes_per_token
-    from edgekv.llama import Model
+    from edgekv.gguf_info import kv_bytes_per_token, read_model_info
 
     grid = Grid(models=[str(smollm2_path)], methods=["full"], lengths=[384], tasks=["niah_single"], n=1,
                 eval_tokens=8, threads=1, cache_types=["f16", "q8_0/f16"], out=tmp_path)
     rows = {r["cache_type"]: r for r in load_rows(run_quality(grid, log=lambda s: None))}
-    info = Model(smollm2_path).info
+    info = read_model_info(smollm2_path)
     for ct, k in (("f16", "f16"), ("q8_0/f16", "q8_0")):
         # a V cache in f16 runs without flash attention (edgekv's auto on the CPU), whatever K is
         assert rows[ct]["flash_attn"] == "off" and rows[ct]["score"] is not None

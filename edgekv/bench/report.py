@@ -349,10 +349,13 @@ def plot_quality(tab: Table, results_dir: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(10, 5.6))
         methods = _method_order({m for c in cfgs for m, _ in tab.evals(c)})
         cmap = plt.get_cmap("tab20" if len(methods) > 10 else "tab10")
-        colors = {m: cmap(i % cmap.N) for i, m in enumerate(methods)}
-        other = iter("PXDv<>*h")  # K/V mixes and rarer types
+        shades = [*range(0, cmap.N, 2), *range(1, cmap.N, 2)]  # tab20's dark shades first: neighbours differ
+        colors = {m: cmap(shades[i % cmap.N]) for i, m in enumerate(methods)}
+        other = iter("PX<>*hp")  # K/V mixes and rarer types
         for cfg in cfgs:
-            marker = markers.setdefault(cfg[1], next(other, "x"))
+            if cfg[1] not in markers:
+                markers[cfg[1]] = next(other, "x")
+            marker = markers[cfg[1]]
             for m in methods:
                 pts = [(tab.kv(cfg, m, r)[0], tab.qa_avg(cfg, m, r)) for mm, r in tab.evals(cfg) if mm == m]
                 pts = sorted(p for p in pts if not math.isnan(p[1]))

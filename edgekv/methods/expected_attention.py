@@ -30,9 +30,9 @@ from ..gguf_info import ModelInfo
 from ..kvcache.snapshot import KVSnapshot
 from .base import ScorerMethod
 
-# Cells a pass for the covariance term and the value norms: their sums run over channels
-# only, so a chunk's floats are the whole layer's (tested), and a chunk's float64 copies and
-# [chunk, group * d] products stay in cache. The mean term stays one pass: a float64
+# Cells a pass for the covariance term: its sums run over channels only, so a chunk's floats
+# are the whole layer's (tested), and a chunk's [chunk, group * d] products stay in cache.
+# The mean term stays one pass: a float64
 # product of three query heads and a chunk of cells is small enough for OpenBLAS's
 # small-matrix kernels, which sum in another order.
 CHUNK = 1024
@@ -115,8 +115,8 @@ def expected_attention_scores(mu: np.ndarray, cov: np.ndarray | None, k: np.ndar
             covs = cov[heads].transpose(1, 0, 2).reshape(d, group * d).astype(np.float32)
             for c0, c1 in _chunks(kh.shape[0]):
                 k32 = np.ascontiguousarray(kh[c0:c1], np.float32)
-                # k^T C k per key and query head: one batched product [c, group, d] x [c, d, 1], the
-                # one numpy's einsum("cgd,cd->gc", optimize=True) runs, without its parsing per call
+                # k^T C k per key and query head: one batched product [c, group, d] x [c, d, 1] (what
+                # numpy 2.4's einsum("cgd,cd->gc", optimize=True) runs, without parsing it per call)
                 quad = np.matmul((k32 @ covs).reshape(-1, group, d), k32[:, :, None])[:, :, 0].T
                 logits[:, c0:c1] += 0.5 * kq_scale**2 * quad.astype(np.float64)
         if bias is not None:
