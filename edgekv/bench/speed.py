@@ -180,9 +180,10 @@ def _flash_settings(grid: SpeedGrid, ct: str, model, label: str, log: Callable[[
     from ..llama import UNQUANTISED_V, resolve_flash_attn
 
     fas: list[str] = []
+    v_type = kv_types(ct)[1]  # the V half decides whether flash attention is needed
     for fa in grid.flash_attn:
-        r = resolve_flash_attn(fa, kv_types(ct)[1], model.n_gpu_layers)
-        if r == "off" and kv_types(ct)[1] not in UNQUANTISED_V:
+        r = resolve_flash_attn(fa, v_type, model.n_gpu_layers)
+        if r == "off" and v_type not in UNQUANTISED_V:
             log(f"skip {label} {ct} with flash attention off: a quantised V cache needs it")
         elif r not in fas:
             fas.append(r)
