@@ -22,6 +22,7 @@ from edgekv.kvcache.queries import QueryWindow
 from edgekv.kvcache.snapshot import KVSnapshot
 from edgekv.methods.protokv import (
     ProtoKV,
+    _regular_prototypes,
     assign,
     chunk_bounds,
     cluster_ids,
@@ -85,6 +86,43 @@ def test_irregularity_is_the_papers_formula() -> None:
         for t in range(s, e):
             cos = x[t] @ mu / (np.linalg.norm(x[t]) * np.linalg.norm(mu))
             assert got[t] == pytest.approx((1 - cos) / np.linalg.norm(sigma), rel=1e-12)
+
+
+def ordered_sums(x: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """Each chunk's rows added in order (numpy's ``sum(axis=0)``; ``reduceat`` adds in
+    another order)."""
+    return np.stack([x[s:e].sum(axis=0) for s, e in zip(bounds[:-1], bounds[1:], strict=True)])
+
+
+def numpy_irregularity(x: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """The irregularity in numpy's own floats: chunk sums row by row, norms and dot
+    products as numpy's pairwise sums over the channels."""
+    sizes = np.diff(bounds)
+    label = np.repeat(np.arange(sizes.size), sizes)
+    mu = ordered_sums(x, bounds) / sizes[:, None]
+    dev = x - mu[label]
+    spread = np.sqrt(ordered_sums(dev * dev, bounds).sum(axis=1) / sizes)
+    den = np.linalg.norm(x, axis=1) * np.linalg.norm(mu, axis=1)[label]
+    cos = np.divide((x * mu[label]).sum(axis=1), den, out=np.zeros(x.shape[0]), where=den > 0)
+    sp = spread[label]
+    return np.divide(1.0 - cos, sp, out=np.zeros(x.shape[0]), where=sp > 0)
+
+
+@pytest.mark.parametrize(("n", "chunk", "d"), [(37, 8, 5), (160, 16, 16), (1000, 16, 64), (700, 7, 200), (9, 16, 128)])
+def test_the_compiled_passes_are_numpys_floats(n: int, chunk: int, d: int) -> None:
+    """The irregularity and the regular prototypes come from compiled passes; a float that
+    moved in its last bit could move a key in or out of the irregular set, so both must be
+    numpy's floats, bit for bit (keys spread over 2^-10 to 2^10, one all-zero chunk)."""
+    rng = np.random.default_rng(n + d)
+    x = rng.standard_normal((n, d)) * np.exp2(rng.uniform(-10, 10, (n, 1)))
+    bounds = chunk_bounds(n, chunk)
+    x[bounds[0] : bounds[1]] = 0.0
+    assert irregularity(x, bounds).tobytes() == numpy_irregularity(x, bounds).tobytes()
+    regular = rng.random(n) > 0.2
+    sums = ordered_sums(np.where(regular[:, None], x, 0.0), bounds)
+    norm = np.linalg.norm(sums, axis=1)
+    want = sums[norm > 0] / norm[norm > 0, None]
+    assert _regular_prototypes(x, bounds, regular).tobytes() == want.tobytes()
 
 
 def test_irregularity_guards_zero_norms() -> None:

@@ -29,6 +29,7 @@ from ..errors import EdgekvError
 from ..gguf_info import ModelInfo
 from ..kvcache.snapshot import KVSnapshot
 from .base import ScorerMethod
+from .pairwise import sum_squares
 
 # Cells a pass for the covariance term: its sums run over channels only, so a chunk's floats
 # are the whole layer's (tested), and a chunk's [chunk, group * d] products stay in cache.
@@ -141,49 +142,11 @@ def _chunks(n: int) -> list[tuple[int, int]]:
 
 def _value_norms(v: np.ndarray) -> np.ndarray:
     """float64 [n, n_kv_head]: ``np.linalg.norm(v.astype(np.float64), axis=2)``, the same
-    floats (tested). Rows of up to 128 channels (numpy's pairwise sum adds them as one
-    block) in one compiled pass over the float32 values: numpy's float64 copy and its
-    squares cost more than the sums; longer rows take numpy's own path."""
-    if v.shape[2] > 128:
-        return np.linalg.norm(v.astype(np.float64), axis=2)
+    floats (tested), in one compiled pass over the float32 values: numpy's float64 copy
+    and its squares cost more than the sums."""
     out = np.empty(v.shape[:2])
     _norms_into(np.ascontiguousarray(v, np.float32), out)
     return out
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _sq(e):  # pragma: no cover - compiled
-    f = np.float64(e)
-    return f * f
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _block_sum_squares(x, lo, n):  # pragma: no cover - compiled
-    """numpy's pairwise sum (``add.reduce`` over a contiguous run) of x[lo:lo+n]**2 in
-    float64 for n <= 128, one block: eight interleaved partial sums, sequential below 8."""
-    if n < 8:
-        s = 0.0
-        for m in range(lo, lo + n):
-            s += _sq(x[m])
-        return s
-    r0, r1, r2, r3 = _sq(x[lo]), _sq(x[lo + 1]), _sq(x[lo + 2]), _sq(x[lo + 3])
-    r4, r5, r6, r7 = _sq(x[lo + 4]), _sq(x[lo + 5]), _sq(x[lo + 6]), _sq(x[lo + 7])
-    m = lo + 8
-    while m + 8 <= lo + n:
-        r0 += _sq(x[m])
-        r1 += _sq(x[m + 1])
-        r2 += _sq(x[m + 2])
-        r3 += _sq(x[m + 3])
-        r4 += _sq(x[m + 4])
-        r5 += _sq(x[m + 5])
-        r6 += _sq(x[m + 6])
-        r7 += _sq(x[m + 7])
-        m += 8
-    s = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
-    while m < lo + n:
-        s += _sq(x[m])
-        m += 1
-    return s
 
 
 @njit(cache=True, nogil=True)
@@ -192,4 +155,4 @@ def _norms_into(v, out):  # pragma: no cover - compiled
     flat = v.reshape(n * h * d)
     for i in range(n):
         for j in range(h):
-            out[i, j] = np.sqrt(_block_sum_squares(flat, (i * h + j) * d, d))
+            out[i, j] = np.sqrt(sum_squares(flat, (i * h + j) * d, d))

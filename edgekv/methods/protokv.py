@@ -26,9 +26,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 
+from ..gguf_info import ModelInfo
 from ..kvcache.snapshot import KVSnapshot
 from .base import ScorerMethod
+from .pairwise import sum_products, sum_squares
 from .snapkv import check_window
 
 
@@ -40,39 +43,64 @@ def chunk_bounds(n: int, chunk: int) -> np.ndarray:
     return np.append(np.arange(k) * (n // k), n).astype(np.int64)
 
 
-def chunk_sums(x: np.ndarray, bounds: np.ndarray) -> np.ndarray:
-    """float [k, d]: the sum of the rows of ``x`` [n, d] in each chunk ``bounds[i]:bounds[i+1]``.
-
-    Chunks of one length (every one but the last, as ``chunk_bounds`` cuts them) are summed
-    in one reduction over a reshaped view: ``np.add.reduceat`` along the rows pays a call per
-    chunk and column, which at 8k keys cost more than the rest of the clustering."""
-    sizes = np.diff(bounds)
-    if bounds[0] != 0 or bounds[-1] != x.shape[0] or (sizes[:-1] != sizes[0]).any() or (sizes <= 0).any():
-        return np.add.reduceat(x, bounds[:-1], axis=0)
-    k, c = sizes.size, int(sizes[0])
-    out = np.empty((k, x.shape[1]), x.dtype)
-    out[: k - 1] = x[: (k - 1) * c].reshape(k - 1, c, x.shape[1]).sum(axis=1)
-    out[k - 1] = x[(k - 1) * c :].sum(axis=0)
-    return out
-
-
 def irregularity(x: np.ndarray, bounds: np.ndarray) -> np.ndarray:
-    """float [n]: (1 - cos(x_t, chunk mean)) / ||chunk std|| per row of ``x`` [n, d].
+    """float [n]: (1 - cos(x_t, chunk mean)) / ||chunk std|| per row of ``x`` [n, d]
+    (chunks ``bounds[i]:bounds[i+1]``).
 
     A key that points away from its chunk, in a chunk whose keys barely spread,
     is the kind the positional chunks cannot explain. Guards: a zero key or mean
     has cosine 0; a chunk without spread has no irregular keys (0)."""
-    n = x.shape[0]
-    sizes = np.diff(bounds)
-    label = np.repeat(np.arange(sizes.size), sizes)
-    mu = chunk_sums(x, bounds) / sizes[:, None]
-    dev = x - mu[label]
-    spread = np.sqrt(chunk_sums(dev * dev, bounds).sum(axis=1) / sizes)  # ||sigma_m||
-    den = np.linalg.norm(x, axis=1) * np.linalg.norm(mu, axis=1)[label]
-    dots = np.einsum("nd,nd->n", x, mu[label])
-    cos = np.divide(dots, den, out=np.zeros(n), where=den > 0)
-    sp = spread[label]
-    return np.divide(1.0 - cos, sp, out=np.zeros(n), where=sp > 0)
+    return _irregularity(np.ascontiguousarray(x, np.float64), np.asarray(bounds, np.int64))
+
+
+@njit(cache=True, nogil=True)
+def _irregularity(x, bounds):  # pragma: no cover - compiled
+    """One pass per chunk over its rows, in numpy's floats: a chunk's sums add its rows in
+    order (numpy's ``sum(axis=0)``), a row's norms and dot products are numpy's pairwise
+    sums over its channels (``np.linalg.norm``, ``(x * mu).sum(axis=1)``)."""
+    n, d = x.shape
+    flat = x.reshape(n * d)
+    mu, acc, ones = np.empty(d), np.empty(d), np.ones(d)
+    delta = np.zeros(n)
+    for i in range(bounds.size - 1):
+        lo, hi = bounds[i], bounds[i + 1]
+        size = hi - lo
+        acc[:] = x[lo]
+        for t in range(lo + 1, hi):
+            acc += x[t]
+        mu[:] = acc / size
+        for t in range(lo, hi):
+            for c in range(d):
+                e = x[t, c] - mu[c]
+                acc[c] = e * e if t == lo else acc[c] + e * e
+        spread = np.sqrt(sum_products(acc, 0, ones, 0, d) / size)  # ||sigma||
+        mu_norm = np.sqrt(sum_squares(mu, 0, d))
+        for t in range(lo, hi):
+            den = np.sqrt(sum_squares(flat, t * d, d)) * mu_norm
+            cos = sum_products(flat, t * d, mu, 0, d) / den if den > 0 else 0.0
+            delta[t] = (1.0 - cos) / spread if spread > 0 else 0.0
+    return delta
+
+
+@njit(cache=True, nogil=True)
+def _regular_prototypes(x, bounds, regular):  # pragma: no cover - compiled
+    """float [c, d]: each chunk's regular rows of ``x`` summed in order and scaled to unit
+    length (numpy's pairwise norm); chunks whose sum has no length give none."""
+    n, d = x.shape
+    out = np.empty((bounds.size - 1, d))
+    acc = np.empty(d)
+    c = 0
+    for i in range(bounds.size - 1):
+        lo, hi = bounds[i], bounds[i + 1]
+        for t in range(lo, hi):
+            for j in range(d):
+                e = x[t, j] if regular[t] else 0.0  # an irregular row adds 0.0, as numpy's masked sum does
+                acc[j] = e if t == lo else acc[j] + e
+        norm = np.sqrt(sum_squares(acc, 0, d))
+        if norm > 0:
+            out[c] = acc / norm
+            c += 1
+    return out[:c]
 
 
 def top_irregular(delta: np.ndarray, p: int) -> np.ndarray:
@@ -207,8 +235,7 @@ def cluster_ids(x: np.ndarray, chunk: int, n_bits: int, p: int, w0: np.ndarray,
     irr = top_irregular(irregularity(x, bounds), p)
     regular = np.ones(n, dtype=bool)
     regular[irr] = False
-    # each chunk's regular keys: its sum with the irregular rows zeroed (adding 0.0 changes no sum)
-    reg = unit_rows(chunk_sums(np.where(regular[:, None], x, 0.0), bounds))
+    reg = _regular_prototypes(x, bounds, regular)
     xi = x[irr]
     irr_protos = prototypes(xi, lsh_buckets(xi, n_bits, rff_gamma(xi), w0, b), 1 << n_bits)
     protos = np.concatenate([reg, irr_protos])
@@ -242,6 +269,13 @@ class ProtoKV(ScorerMethod):
             raise ValueError(f"irregular must be >= 0 (0: 3 * buckets), got {self.irregular}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
+
+    def attach(self, info: ModelInfo) -> None:
+        # numba's first call in a process loads the kernels (a tenth of a second or more):
+        # at the Session's start, not in the first compression
+        x = np.ones((2, 4))
+        _regular_prototypes(x, np.array([0, 2]), np.ones(2, np.bool_))
+        irregularity(x, np.array([0, 2]))
 
     @property
     def queries_needed(self) -> int:
