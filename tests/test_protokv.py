@@ -154,6 +154,21 @@ def test_top_irregular_is_global_and_breaks_ties_by_position() -> None:
     assert top_irregular(delta, 20).tolist() == list(range(8))
 
 
+def test_top_irregular_is_the_stable_sorts_choice() -> None:
+    # the one-pass selection against the sort it replaces: many ties, signed zeros, NaNs
+    rng = np.random.default_rng(11)
+    for trial in range(400):
+        n = int(rng.integers(1, 300))
+        delta = rng.integers(0, 6, n) * (0.5 if trial % 2 else 1.0)
+        if trial % 3 == 0:
+            delta[rng.integers(0, n, 2)] = -0.0
+        if trial % 5 == 0:
+            delta[rng.integers(0, n, 3)] = np.nan
+        p = int(rng.integers(1, 40))
+        want = np.sort(np.argsort(-delta, kind="stable")[:p])
+        assert top_irregular(delta, p).tolist() == want.tolist(), (trial, n, p)
+
+
 def test_lsh_bucket_by_hand() -> None:
     """(b) Bits are cos(gamma W k + b) > 0, first bit most significant."""
     zero = np.zeros((3, 1))

@@ -105,8 +105,38 @@ def _regular_prototypes(x, bounds, regular):  # pragma: no cover - compiled
 
 def top_irregular(delta: np.ndarray, p: int) -> np.ndarray:
     """int [min(p, n)], ascending: the ``p`` largest irregularities over all chunks
-    together (the paper's text), the earlier cell first on ties."""
-    return np.sort(np.argsort(-delta, kind="stable")[:p])
+    together (the paper's text), the earlier cell first on ties; NaN counts as the
+    smallest (``np.sort(np.argsort(-delta, kind="stable")[:p])``, tested)."""
+    return _top_irregular(np.ascontiguousarray(delta, np.float64), int(p))
+
+
+@njit(cache=True, nogil=True)
+def _top_irregular(delta, p):  # pragma: no cover - compiled
+    """One pass with the best ``p`` so far in a sorted buffer: a full sort of 8k
+    irregularities per head cost ten times as much."""
+    n = delta.shape[0]
+    if p >= n:
+        return np.arange(n)
+    val, ind = np.empty(p), np.empty(p, np.int64)
+    k = 0
+    for t in range(n):
+        v = delta[t]
+        if v != v or (k == p and not v > val[p - 1]):  # a tie does not displace an earlier cell
+            continue
+        j = min(k, p - 1)
+        while j > 0 and val[j - 1] < v:
+            if j < p:
+                val[j], ind[j] = val[j - 1], ind[j - 1]
+            j -= 1
+        val[j], ind[j] = v, t
+        k = min(k + 1, p)
+    for t in range(n):  # too few numbers: NaNs follow in order, as a stable sort puts them last
+        if k == p:
+            break
+        if delta[t] != delta[t]:
+            ind[k] = t
+            k += 1
+    return np.sort(ind[:k])
 
 
 def rff_draw(seed: int, n_bits: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
@@ -275,7 +305,7 @@ class ProtoKV(ScorerMethod):
         # at the Session's start, not in the first compression
         x = np.ones((2, 4))
         _regular_prototypes(x, np.array([0, 2]), np.ones(2, np.bool_))
-        irregularity(x, np.array([0, 2]))
+        top_irregular(irregularity(x, np.array([0, 2])), 1)
 
     @property
     def queries_needed(self) -> int:
