@@ -18,7 +18,7 @@ from edgekv.kvcache.cells import check_merge, merge_groups
 from edgekv.kvcache.queries import window_attention
 from edgekv.kvcache.snapshot import KVSnapshot
 from edgekv.methods import get_method
-from edgekv.methods.chelsea import edges, match
+from edgekv.methods.chelsea import _unit_rows_into, edges, match
 
 L, H, D = 2, 3, 8
 
@@ -94,6 +94,21 @@ def test_edges_pair_sources_with_their_best_destination_inside_the_chunk() -> No
     # a source alone in the last chunk has no edge
     a, b, _ = edges(keys[:5], chunk=4)
     assert a.tolist() == [0, 2]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("d", [6, 64, 200])
+def test_unit_keys_are_numpys_floats(dtype, d: int) -> None:
+    # the matching's cosines start from the compiled normalisation: its unit keys must be
+    # numpy's to the bit (float32 norms summed in float32), or an edge's score moves and the
+    # m best edges with it; zero rows meet the 1e-12 floor, and the padding is zeros
+    rng = np.random.default_rng(d)
+    keys = (rng.standard_normal((3, 301, d)) * np.exp2(rng.uniform(-8, 8, (3, 301, 1)))).astype(dtype)
+    keys[1, 7] = 0.0
+    want = np.divide(keys, np.maximum(np.linalg.norm(keys, axis=-1, keepdims=True), 1e-12))
+    out = np.full((3, 320, d), np.nan, dtype)
+    _unit_rows_into(keys, out, dtype(1e-12))
+    assert out[:, :301].tobytes() == want.tobytes() and not out[:, 301:].any()
 
 
 def test_edges_equal_a_direct_loop() -> None:

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from edgekv.methods.pairwise import sum_products, sum_squares
+from edgekv.methods.pairwise import sum_products, sum_squares, sum_squares_own
 
 LENGTHS = [*range(0, 300), 383, 511, 512, 513, 576, 1000, 4097, 100_003]
 
@@ -25,6 +25,8 @@ def test_sums_are_numpys_floats(dtype) -> None:
         a64, b64 = a.astype(np.float64), b.astype(np.float64)
         assert sum_squares(a, 3, n) == np.add.reduce(a64[3 : 3 + n] ** 2), n
         assert sum_products(a, 5, b, 2, n) == np.add.reduce(a64[5 : 5 + n] * b64[2 : 2 + n]), n
+        # in the array's own type: float32 squares summed in float32, as numpy sums them
+        assert sum_squares_own(a, 1, n) == np.add.reduce(a[1 : 1 + n] * a[1 : 1 + n]), n
 
 
 def test_a_second_process_loads_the_cached_kernels() -> None:

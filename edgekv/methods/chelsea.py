@@ -31,11 +31,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
+from numba import njit
 
 from ..errors import BudgetError
+from ..gguf_info import ModelInfo
 from ..kvcache.engine import KVEngine
 from ..kvcache.snapshot import KVSnapshot
 from .base import Method, Why, map_layers
+from .pairwise import sum_squares_own
 
 if TYPE_CHECKING:
     from ..config import BudgetRule
@@ -73,6 +76,11 @@ class Chelsea(Method):
 
     def bind(self, rule: BudgetRule) -> None:
         self._budget = rule.budget
+
+    def attach(self, info: ModelInfo) -> None:
+        # numba's first call in a process loads the kernel: at the Session's start, not in
+        # the first compression
+        edges(np.ones((1, 2, 4), np.float32), 2)
 
     def due(self, tokens_since_compress: int, n_cells: int) -> bool:
         return self._budget is not None and n_cells >= self._budget + self.interval
@@ -114,8 +122,10 @@ def edges(keys: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray, np.ndar
     alone in its chunk has no edge."""
     *lead, M, d = keys.shape
     n_chunk = -(-M // chunk)
-    unit = np.zeros((*lead, n_chunk * chunk, d), np.result_type(keys.dtype, np.float32))  # the last chunk padded
-    np.divide(keys, np.maximum(np.linalg.norm(keys, axis=-1, keepdims=True), 1e-12), out=unit[..., :M, :])
+    dtype = np.result_type(keys.dtype, np.float32)
+    unit = np.empty((*lead, n_chunk * chunk, d), dtype)  # the last chunk padded (with zeros)
+    flat = unit.reshape(-1, n_chunk * chunk, d)
+    _unit_rows_into(np.ascontiguousarray(keys, dtype).reshape(-1, M, d), flat, dtype.type(1e-12))
     unit = unit.reshape(*lead, n_chunk, chunk, d)
     idx = np.arange(n_chunk * chunk).reshape(n_chunk, chunk)
     a, b = idx[:, 0::2], idx[:, 1::2]
@@ -126,6 +136,24 @@ def edges(keys: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray, np.ndar
     dst = b[np.arange(n_chunk)[:, None], best]
     ok = (a < M) & (b[:, :1] < M)  # a real source with at least one destination in its chunk
     return a[ok], dst[..., ok], score[..., ok]
+
+
+@njit(cache=True, nogil=True)
+def _unit_rows_into(keys, out, tiny):  # pragma: no cover - compiled
+    """out[h, :M] = keys[h] / max(||row||, tiny) in the keys' own type, and zeros after
+    them: numpy's ``np.divide(keys, np.maximum(np.linalg.norm(keys, axis=-1), tiny))``,
+    the same floats (a float32 norm is summed in float32, as numpy sums it), in one pass
+    instead of numpy's three over the keys (their norms, the maximum, the division)."""
+    n_lead, M, d = keys.shape
+    flat = keys.reshape(n_lead * M * d)
+    for h in range(n_lead):
+        for t in range(M):
+            lo = (h * M + t) * d
+            norm = np.sqrt(sum_squares_own(flat, lo, d))
+            norm = norm if not norm < tiny else tiny  # np.maximum: a NaN norm stays NaN
+            for c in range(d):
+                out[h, t, c] = keys[h, t, c] / norm
+        out[h, M:] = 0
 
 
 def match(snap: KVSnapshot, middle: np.ndarray, chunk: int, m: int) -> tuple[np.ndarray, np.ndarray] | tuple[None, None]:
