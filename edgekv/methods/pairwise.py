@@ -7,6 +7,11 @@ or a score moves in its last bit and a kept cell can move with it. numpy's
 (sequentially below eight) and splits longer runs in two at a multiple of eight, in
 the array's own type: float32 arrays are summed in float32. These functions reproduce
 that order exactly (``tests/test_pairwise.py``).
+
+numba's cache keys a compiled kernel by its own file: a kernel elsewhere that calls
+these carries a copy of them, and editing this file alone leaves that copy in use. After
+a change here, delete the callers' cached kernels (``__pycache__/*.nbi`` and ``*.nbc``
+beside protokv.py, chelsea.py and expected_attention.py).
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ def irregularity(x: np.ndarray, bounds: np.ndarray) -> np.ndarray:
 
     A key that points away from its chunk, in a chunk whose keys barely spread,
     is the kind the positional chunks cannot explain. Guards: a zero key or mean
-    has cosine 0; a chunk without spread has no irregular keys (0)."""
+    has cosine 0; a chunk without spread has no irregular keys (0). Computed in float64."""
     return _irregularity(np.ascontiguousarray(x, np.float64), np.asarray(bounds, np.int64))
 
 
@@ -65,8 +65,8 @@ def _irregularity(x, bounds):  # pragma: no cover - compiled
     for i in range(bounds.size - 1):
         lo, hi = bounds[i], bounds[i + 1]
         size = hi - lo
-        acc[:] = x[lo]
-        for t in range(lo + 1, hi):
+        acc[:] = 0.0  # numpy's sum starts from +0.0 (a column of -0.0 sums to +0.0)
+        for t in range(lo, hi):
             acc += x[t]
         mu[:] = acc / size
         for t in range(lo, hi):
@@ -95,7 +95,7 @@ def _regular_prototypes(x, bounds, regular):  # pragma: no cover - compiled
         for t in range(lo, hi):
             for j in range(d):
                 e = x[t, j] if regular[t] else 0.0  # an irregular row adds 0.0, as numpy's masked sum does
-                acc[j] = e if t == lo else acc[j] + e
+                acc[j] = (0.0 if t == lo else acc[j]) + e  # from +0.0, as numpy's sum
         norm = np.sqrt(sum_squares(acc, 0, d))
         if norm > 0:
             out[c] = acc / norm
@@ -107,6 +107,8 @@ def top_irregular(delta: np.ndarray, p: int) -> np.ndarray:
     """int [min(p, n)], ascending: the ``p`` largest irregularities over all chunks
     together (the paper's text), the earlier cell first on ties; NaN counts as the
     smallest (``np.sort(np.argsort(-delta, kind="stable")[:p])``, tested)."""
+    if p <= 0:
+        return np.empty(0, np.int64)
     return _top_irregular(np.ascontiguousarray(delta, np.float64), int(p))
 
 
