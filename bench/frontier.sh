@@ -17,8 +17,9 @@
 #      per compression; about 4 h per cache type);
 #   3. Qwen, the cheap methods on every cache type (the quantised rows answer
 #      "quantise or evict?" on the model where eviction keeps most; 2 to 3 h each);
-#   4. SmolLM2, the costly methods on q8_0 (half done when Qwen moved ahead);
-#   5. Qwen, kvzip on f16 (h2o and chelsea on f16 are in the results already);
+#   4. Qwen, kvzip on f16, ratio 0.5 first: the issue's Qwen targets rest on it
+#      (h2o and chelsea on f16 are in the results already);
+#   5. SmolLM2, the costly methods on q8_0 (half done when Qwen moved ahead);
 #   6. the costly methods on the rest: SmolLM2 q4_0, Qwen q8_0 and q4_0.
 # The tables and plots (accuracy against KV bytes per cache type, among them):
 # `edgekv bench report bench/results/smollm2` (reads what is there so far).
@@ -26,16 +27,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 CHEAP=full,lagkv,streaming_llm,expected_attention  # fast to score: the first answer to "quantise or evict?"
 COSTLY=kvzip,h2o,chelsea                           # kvzip runs the model over the cache per compression
-stage() {  # MODEL METHODS CACHE_TYPE
+stage() {  # MODEL METHODS CACHE_TYPE [RATIOS]
   local out=bench/results/smollm2
   [ "$1" = smollm2-135m ] || out=bench/results/$1
-  .venv/bin/edgekv bench quality --n 20 --ratios 0.5,0.75,0.875 \
+  .venv/bin/edgekv bench quality --n 20 --ratios "${4:-0.5,0.75,0.875}" \
     --model "$1" --methods "$2" --cache-types "$3" --out "$out"
 }
 for ct in f16 q8_0 q4_0; do stage smollm2-135m "$CHEAP" "$ct"; done
 stage smollm2-135m "$COSTLY" f16
 for ct in f16 q8_0 q4_0; do stage qwen2.5-coder-0.5b "$CHEAP" "$ct"; done
-stage smollm2-135m "$COSTLY" q8_0
+stage qwen2.5-coder-0.5b kvzip f16 0.5
 stage qwen2.5-coder-0.5b kvzip f16
+stage smollm2-135m "$COSTLY" q8_0
 stage smollm2-135m "$COSTLY" q4_0
 for ct in q8_0 q4_0; do stage qwen2.5-coder-0.5b "$COSTLY" "$ct"; done
