@@ -124,6 +124,12 @@ def test_the_compiled_passes_are_numpys_floats(n: int, chunk: int, d: int) -> No
     norm = np.linalg.norm(sums, axis=1)
     want = sums[norm > 0] / norm[norm > 0, None]
     assert _regular_prototypes(x, bounds, regular).tobytes() == want.tobytes()
+    # float32 keys (the cache's) are read as they are and widened number by number:
+    # the same floats as the keys widened first
+    x32 = x.astype(np.float32)
+    assert irregularity(x32, bounds).tobytes() == numpy_irregularity(x32.astype(np.float64), bounds).tobytes()
+    assert _regular_prototypes(x32, bounds, regular).tobytes() == \
+        _regular_prototypes(x32.astype(np.float64), bounds, regular).tobytes()
 
 
 def test_irregularity_guards_zero_norms() -> None:
@@ -235,6 +241,51 @@ def test_assignment_is_the_argmax_cosine() -> None:
                 best, best_cos = c, cos
         assert got[t] == best
     assert assign(x, np.zeros((0, D))).tolist() == [0] * 200
+
+
+def test_float32_keys_cluster_as_the_same_keys_in_float64() -> None:
+    """ProtoKV hands the cache's float32 keys to the clustering unconverted; every label
+    and the prototype count are those of the keys widened to float64 first."""
+    rng = np.random.default_rng(21)
+    w0, b = rff_draw(0, 3, D)
+    for n in (30, 500, 2000):
+        x32 = (2 * structured_keys(n, rng, n_out=n // 10)[0]).astype(np.float32)
+        got, c = cluster_ids(x32, 16, 3, 24, w0, b)
+        want, c64 = cluster_ids(x32.astype(np.float64), 16, 3, 24, w0, b)
+        assert c == c64
+        assert np.array_equal(got, want)
+
+
+def test_assignment_follows_numpys_argmax_on_nan() -> None:
+    """A NaN product wins, the first one, as numpy's argmax has it: a NaN prototype takes
+    every key, a NaN key goes to prototype 0."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((300, D))
+    protos = rng.standard_normal((20, D))
+    protos /= np.linalg.norm(protos, axis=1, keepdims=True)
+    for k in (0, 7, 19):
+        bad = protos.copy()
+        bad[k, 3] = np.nan
+        bad[min(k + 2, 19), 0] = np.nan  # a second NaN prototype: the first still wins
+        assert np.array_equal(assign(x, bad), np.argmax(x @ bad.T, axis=1))
+    y = x.copy()
+    y[[0, 150, 299], 5] = np.nan
+    assert np.array_equal(assign(y, protos), np.argmax(y @ protos.T, axis=1))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_assignment_of_float32_keys_is_float64s_argmax(dtype: type) -> None:
+    """Keys as the cache holds them (float32) or widened: float64's argmax over the keys
+    widened, near ties included (prototypes apart by far less than float32 resolves)."""
+    rng = np.random.default_rng(12)
+    x = (rng.standard_normal((3000, D)) * rng.uniform(1e-3, 50, (3000, 1))).astype(np.float32)
+    base = rng.standard_normal((40, D))
+    base /= np.linalg.norm(base, axis=1, keepdims=True)
+    twin = base[:10] + 1e-9 * rng.standard_normal((10, D))
+    twin /= np.linalg.norm(twin, axis=1, keepdims=True)
+    protos = np.concatenate([base, twin, base[:3]])
+    want = np.argmax(x.astype(np.float64) @ protos.T, axis=1)
+    assert np.array_equal(assign(x.astype(dtype), protos), want)
 
 
 def test_cluster_mean_pooling() -> None:

@@ -49,8 +49,15 @@ def irregularity(x: np.ndarray, bounds: np.ndarray) -> np.ndarray:
 
     A key that points away from its chunk, in a chunk whose keys barely spread,
     is the kind the positional chunks cannot explain. Guards: a zero key or mean
-    has cosine 0; a chunk without spread has no irregular keys (0). Computed in float64."""
-    return _irregularity(np.ascontiguousarray(x, np.float64), np.asarray(bounds, np.int64))
+    has cosine 0; a chunk without spread has no irregular keys (0). Computed in float64
+    (float32 keys are read as they are: widening them first gives the same floats)."""
+    return _irregularity(_rows(x), np.asarray(bounds, np.int64))
+
+
+def _rows(x: np.ndarray) -> np.ndarray:
+    """``x`` contiguous, float32 kept (the kernels widen each number as they read it),
+    anything else as float64."""
+    return np.ascontiguousarray(x, np.float32 if x.dtype == np.float32 else np.float64)
 
 
 @njit(cache=True, nogil=True)
@@ -197,7 +204,7 @@ def unit_rows(sums: np.ndarray) -> np.ndarray:
 # (d + 4) * 2**-24 * ||x|| * ||p|| of the exact one (p unit); float64's own is far below.
 _F32_SLACK = 2.0**-24
 _F64_SLACK = 2.0**-52
-_ASSIGN_ROWS = 512  # keys scored against the prototypes at a time
+_ASSIGN_ROWS = 256  # keys scored against the prototypes at a time
 
 
 def assign(x: np.ndarray, protos: np.ndarray) -> np.ndarray:
@@ -206,31 +213,62 @@ def assign(x: np.ndarray, protos: np.ndarray) -> np.ndarray:
     first on ties; all 0 when there is no prototype.
 
     This is ProtoKV's largest cost (keys x prototypes, quadratic in the cache). The
-    products run in float32, at twice float64's speed, and every row whose best two
+    products run in float32 (float32 keys as they are), at twice float64's speed, and
+    every row whose best two
     float32 scores lie within their rounding bound of each other is decided again in
-    float64, so the answer is float64's ``argmax(x @ protos.T)``. (Only a key within
-    float64's rounding of two prototypes depends on the order its products are summed in,
-    as it already did from one BLAS build to another.)"""
+    float64, so the answer is float64's ``argmax(x @ protos.T)`` (a NaN product wins,
+    the first one, as numpy's argmax has it). The bound holds for any order of the
+    float32 sums, so the BLAS may block them as it likes. (Only a key within float64's
+    rounding of two prototypes depends on the order its products are summed in, as it
+    already did from one BLAS build to another.)"""
     n, c = x.shape[0], protos.shape[0]
     if c <= 1:
         return np.zeros(n, dtype=np.int64)
-    p32 = protos.astype(np.float32).T
+    p32 = protos.astype(np.float32)
+    x32 = np.ascontiguousarray(x, np.float32)
     d = x.shape[1]
-    # the bound only filters rows to decide again, so a norm rounded differently changes nothing
+    # the bound only filters rows to decide again, so a norm rounded differently (float32
+    # keys' in float32: within 1e-5 of float64's, well inside the 1.01) changes nothing
     bound = 2.0 * ((d + 4) * _F32_SLACK + (d + 2) * _F64_SLACK) * 1.01 * np.sqrt(np.einsum("nd,nd->n", x, x))
     best = np.empty(n, np.int64)
-    for lo in range(0, n, _ASSIGN_ROWS):  # a block of scores stays in cache for the three passes over it
-        s = x[lo : lo + _ASSIGN_ROWS].astype(np.float32) @ p32
-        rows = np.arange(s.shape[0])
-        b = np.argmax(s, axis=1)
-        top = s[rows, b].astype(np.float64)
-        s[rows, b] = -np.inf
-        second = s.max(axis=1).astype(np.float64)
-        unsure = np.flatnonzero(top - second <= bound[lo : lo + _ASSIGN_ROWS])
+    top = np.empty(_ASSIGN_ROWS, np.float32)
+    second = np.empty(_ASSIGN_ROWS, np.float32)
+    arg = np.empty(_ASSIGN_ROWS, np.int32)
+    for lo in range(0, n, _ASSIGN_ROWS):  # a block of scores stays in cache between the product and its pass
+        s = p32 @ x32[lo : lo + _ASSIGN_ROWS].T  # [c, r]: the pass runs along contiguous keys
+        r = s.shape[1]
+        _best_two(s, top, second, arg)
+        b = arg[:r].astype(np.int64)
+        unsure = np.flatnonzero(top[:r].astype(np.float64) - second[:r] <= bound[lo : lo + r])
         if unsure.size:
-            b[unsure] = np.argmax(x[lo + unsure] @ protos.T, axis=1)
-        best[lo : lo + s.shape[0]] = b
+            b[unsure] = np.argmax(x[lo + unsure].astype(np.float64) @ protos.T, axis=1)
+        best[lo : lo + r] = b
     return best
+
+
+@njit(cache=True, nogil=True)
+def _best_two(s, top, second, arg):  # pragma: no cover - compiled
+    """Per column i of ``s`` [c, r]: ``top[i]`` the largest entry, ``arg[i]`` its first
+    row, ``second[i]`` the largest of the others (``top[i]`` again on a tie). One pass
+    over rows, each updating r running maxima side by side, which the compiler
+    vectorises; numpy's argmax then max along rows took three times as long."""
+    c, r = s.shape
+    for i in range(r):
+        top[i] = s[0, i]
+        second[i] = -np.inf
+        arg[i] = 0
+    for j in range(1, c):
+        row = s[j]
+        jj = np.int32(j)
+        for i in range(r):
+            v = row[i]
+            a = top[i]
+            b = second[i]
+            low = v if v < a else a  # a NaN top stays on top; a NaN v is the larger
+            second[i] = low if low > b else b
+            up = v > a or (v != v and a == a)
+            arg[i] = jj if up else arg[i]
+            top[i] = v if up else a
 
 
 def cluster_mean(values: np.ndarray, labels: np.ndarray) -> np.ndarray:
@@ -261,14 +299,16 @@ def cluster_ids(x: np.ndarray, chunk: int, n_bits: int, p: int, w0: np.ndarray,
                 b: np.ndarray) -> tuple[np.ndarray, int]:
     """(labels [n], number of prototypes) for one head's candidate keys ``x`` [n, d]:
     chunk prototypes of the regular keys first, then bucket prototypes of the ``p``
-    most irregular keys, then every key to its nearest prototype."""
+    most irregular keys, then every key to its nearest prototype. Arithmetic in float64;
+    float32 keys are passed as they are, and read so."""
+    x = _rows(x)
     n = x.shape[0]
     bounds = chunk_bounds(n, chunk)
     irr = top_irregular(irregularity(x, bounds), p)
     regular = np.ones(n, dtype=bool)
     regular[irr] = False
     reg = _regular_prototypes(x, bounds, regular)
-    xi = x[irr]
+    xi = x[irr].astype(np.float64)
     irr_protos = prototypes(xi, lsh_buckets(xi, n_bits, rff_gamma(xi), w0, b), 1 << n_bits)
     protos = np.concatenate([reg, irr_protos])
     return assign(x, protos), protos.shape[0]
@@ -305,9 +345,10 @@ class ProtoKV(ScorerMethod):
     def attach(self, info: ModelInfo) -> None:
         # numba's first call in a process loads the kernels (a tenth of a second or more):
         # at the Session's start, not in the first compression
-        x = np.ones((2, 4))
+        x = np.ones((2, 4), np.float32)  # the cache's keys, as score() passes them
         _regular_prototypes(x, np.array([0, 2]), np.ones(2, np.bool_))
         top_irregular(irregularity(x, np.array([0, 2])), 1)
+        assign(x, np.eye(2, 4))
 
     @property
     def queries_needed(self) -> int:
@@ -338,7 +379,6 @@ class ProtoKV(ScorerMethod):
         keys = snap.keys(layer)
         w0, b = rff_draw(self.seed, self.n_bits, keys.shape[2])
         for g in range(snap.n_kv_head):
-            x = keys[:m, g].astype(np.float64)
-            labels, _ = cluster_ids(x, self.chunk, self.n_bits, self.n_irregular, w0, b)
+            labels, _ = cluster_ids(keys[:m, g], self.chunk, self.n_bits, self.n_irregular, w0, b)
             out[g, :m] = lexicographic_rank(cluster_mean(votes[g], labels), votes[g])
         return out
