@@ -214,9 +214,8 @@ def assign(x: np.ndarray, protos: np.ndarray) -> np.ndarray:
 
     This is ProtoKV's largest cost (keys x prototypes, quadratic in the cache). The
     products run in float32 (float32 keys as they are), at twice float64's speed, and
-    every row whose best two
-    float32 scores lie within their rounding bound of each other is decided again in
-    float64, so the answer is float64's ``argmax(x @ protos.T)`` (a NaN product wins,
+    every row whose best two float32 scores lie within their rounding bound of each
+    other is decided again in float64, so the answer is float64's ``argmax(x @ protos.T)`` (a NaN product wins,
     the first one, as numpy's argmax has it). The bound holds for any order of the
     float32 sums, so the BLAS may block them as it likes. (Only a key within float64's
     rounding of two prototypes depends on the order its products are summed in, as it
@@ -251,7 +250,7 @@ def _best_two(s, top, second, arg):  # pragma: no cover - compiled
     """Per column i of ``s`` [c, r]: ``top[i]`` the largest entry, ``arg[i]`` its first
     row, ``second[i]`` the largest of the others (``top[i]`` again on a tie). One pass
     over rows, each updating r running maxima side by side, which the compiler
-    vectorises; numpy's argmax then max along rows took three times as long."""
+    vectorises; numpy's argmax then max along rows took more than twice as long."""
     c, r = s.shape
     for i in range(r):
         top[i] = s[0, i]
