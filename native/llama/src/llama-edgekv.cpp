@@ -23,6 +23,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <system_error>
 #include <thread>
 #include <vector>
@@ -357,12 +358,31 @@ static inline void edgekv_prefetch(const void * p, size_t n) {
     }
 }
 
+// A scratch buffer that grows without zeroing what it hands out: std::vector<uint8_t>
+// zeroes every byte it adds, and the score op asks a megabyte per thread per call, whose
+// contents it writes before it reads them. Growing keeps nothing of the old contents.
+struct edgekv_scratch {
+    std::unique_ptr<uint8_t[]> buf;
+    size_t cap = 0, n = 0;
+    void resize(size_t m) {
+        if (m > cap) {
+            buf.reset(); // the old buffer goes before the new one is asked for
+            cap = 0;
+            buf.reset(new uint8_t[m]);
+            cap = m;
+        }
+        n = m;
+    }
+    uint8_t * data() { return buf.get(); }
+    size_t size() const { return n; }
+};
+
 // rows (cell*n_head_kv + h, row_bytes each) of head h's kept cells into rows j*n_head_kv + h.
 // The reads are scattered, so the loop is bound by memory latency, not bandwidth: the
 // source rows a few steps ahead are prefetched.
 static void edgekv_host_gather_rows(
         uint8_t * data, size_t row_bytes, int32_t n_head_kv, const std::vector<uint32_t> & cells,
-        const int32_t * kl, int32_t n_keep, bool in_place, std::vector<uint8_t> & tmp) {
+        const int32_t * kl, int32_t n_keep, bool in_place, edgekv_scratch & tmp) {
     constexpr int32_t ahead = 8;
     uint8_t * out = data;
     if (!in_place) {
@@ -391,7 +411,7 @@ static void edgekv_host_gather_rows(
 static void edgekv_host_gather_vt(
         uint8_t * data, size_t el, int64_t kv_size, int64_t n_embd_v, int32_t hd_v,
         const std::vector<uint32_t> & cells, const int32_t * kl, int32_t n_keep, bool in_place,
-        std::vector<uint8_t> & tmp) {
+        edgekv_scratch & tmp) {
     tmp.resize((size_t) n_keep*el);
     for (int64_t c = 0; c < n_embd_v; ++c) {
         uint8_t * row = data + (size_t) c*kv_size*el;
@@ -425,7 +445,7 @@ static bool edgekv_host_parallel(int32_t n_items, int32_t n_threads, F && work) 
     std::atomic<bool> ok{true};
     auto run = [&]() {
         try {
-            std::vector<uint8_t> tmp;
+            edgekv_scratch tmp;
             for (int32_t item; (item = next.fetch_add(1)) < n_items; ) {
                 work(item, tmp);
             }
@@ -458,7 +478,7 @@ static bool edgekv_host_compact(const llama_edgekv_kv & e, int32_t n_keep, const
     for (size_t i = 0; i < n_idx && in_place; ++i) {
         in_place = i % n_keep == 0 || keep[i] > keep[i - 1];
     }
-    return edgekv_host_parallel(2*e.n_layer, n_threads, [&](int32_t item, std::vector<uint8_t> & tmp) {
+    return edgekv_host_parallel(2*e.n_layer, n_threads, [&](int32_t item, edgekv_scratch & tmp) {
         const int32_t l = item/2;
         const auto & layer = e.layers()[l];
         const int32_t * kl = keep + (size_t) l*e.n_head_kv*n_keep;
@@ -716,7 +736,7 @@ static void edgekv_unrotate_rows(float * x, size_t n, int32_t hd, int32_t block,
 static bool edgekv_host_read(const llama_edgekv_kv & e, int32_t il, int32_t n_layers, float * k, float * v, int32_t n,
                              int32_t k_rot, int32_t v_rot, int32_t n_threads) {
     const int32_t H = e.n_head_kv;
-    return edgekv_host_parallel(2*n_layers, n_threads, [&](int32_t item, std::vector<uint8_t> & tmp) {
+    return edgekv_host_parallel(2*n_layers, n_threads, [&](int32_t item, edgekv_scratch & tmp) {
         const int32_t l = item/2;
         const auto & layer = e.layers()[il + l];
         const bool is_k = item % 2 == 0;
@@ -893,7 +913,7 @@ static bool edgekv_host_merge(const llama_edgekv_kv & e, int32_t n_group, int32_
                               const float * wn, bool reference, int32_t n_threads) {
     const int32_t H = e.n_head_kv;
     const size_t per_layer = (size_t) H*n_group*n_member;
-    return edgekv_host_parallel(2*e.n_layer, n_threads, [&](int32_t item, std::vector<uint8_t> & tmp) {
+    return edgekv_host_parallel(2*e.n_layer, n_threads, [&](int32_t item, edgekv_scratch & tmp) {
         const int32_t l = item/2;
         const bool is_k = item % 2 == 0;
         const auto & layer = e.layers()[l];
@@ -1320,7 +1340,7 @@ int32_t llama_edgekv_seq_read(
         ggml_backend_tensor_get(vo[l], v + l*H*n*e.hd_v, 0, ggml_nbytes(vo[l]));
     }
     if (k_rot || v_rot) { // on the host, as the host path does it: the same floats
-        const bool ok = edgekv_host_parallel(2*n_layers, (int32_t) ctx->n_threads(), [&](int32_t item, std::vector<uint8_t> &) {
+        const bool ok = edgekv_host_parallel(2*n_layers, (int32_t) ctx->n_threads(), [&](int32_t item, edgekv_scratch &) {
             const bool is_k = item % 2 == 0;
             const int32_t rot = is_k ? k_rot : v_rot, hd = is_k ? e.hd_k : e.hd_v;
             float * out = is_k ? k : v;
@@ -1620,22 +1640,24 @@ static bool edgekv_host_score(const llama_edgekv_kv & e, const std::vector<int32
     const size_t per_head = (size_t) n_pad*hd;
     const int32_t n_todo = (int32_t) todo.size();
     const int32_t batch = std::max<int32_t>(1, std::min<int32_t>(n_todo, (int32_t) ((64u << 20)/(H*per_head*sizeof(float)))));
-    std::vector<float> kb, acc;
+    // every element of both is written before it is read: no zeroing (the keys of one
+    // layer of an 8k cache are 6 MiB, asked for again at every call)
+    std::unique_ptr<float[]> kb, acc;
     try {
-        kb.resize((size_t) batch*H*per_head);
-        acc.resize((size_t) batch*n_head*n_pad);
+        kb.reset(new float[(size_t) batch*H*per_head]);
+        acc.reset(new float[(size_t) batch*n_head*n_pad]);
     } catch (const std::bad_alloc &) {
         return false;
     }
     for (int32_t j0 = 0; j0 < n_todo; j0 += batch) {
         const int32_t nb = std::min(batch, n_todo - j0);
-        bool ok = edgekv_host_parallel(nb*H, n_threads, [&](int32_t item, std::vector<uint8_t> & tmp) {
+        bool ok = edgekv_host_parallel(nb*H, n_threads, [&](int32_t item, edgekv_scratch & tmp) {
             const int32_t h = item % H, l = todo[j0 + item/H];
             const ggml_tensor * k = e.layers()[l].k;
             const size_t row_bytes = ggml_row_size(k->type, hd);
             tmp.resize(hd*sizeof(float));
             float * rowf = (float *) tmp.data();
-            float * kh = kb.data() + (size_t) item*per_head;
+            float * kh = kb.get() + (size_t) item*per_head;
             for (int32_t i = 0; i < n_pad; ++i) {
                 if (i < n) {
                     edgekv_to_f32(k->type, (const uint8_t *) k->data + ((size_t) e.cells[i]*H + h)*row_bytes, rowf, hd);
@@ -1646,14 +1668,14 @@ static bool edgekv_host_score(const llama_edgekv_kv & e, const std::vector<int32
                 }
             }
         });
-        ok = ok && edgekv_host_parallel(nb*n_head, n_threads, [&](int32_t item, std::vector<uint8_t> & tmp) {
+        ok = ok && edgekv_host_parallel(nb*n_head, n_threads, [&](int32_t item, edgekv_scratch & tmp) {
             const int32_t jj = item/n_head, qh = item % n_head, h = qh/group, l = todo[j0 + jj];
             tmp.resize(((size_t) n_q*n_pad + 16*(size_t) n_q)*sizeof(float));
             float * lg = (float *) tmp.data();
-            float * ac = acc.data() + (size_t) item*n_pad;
+            float * ac = acc.get() + (size_t) item*n_pad;
             std::fill(ac, ac + n_pad, 0.0f);
             const float * b = bias_on ? bias[j0 + jj].data() + (size_t) h*n_pad : zeros.data();
-            const edgekv_score_head a = {n_pad, hd, n_q, kb.data() + ((size_t) jj*H + h)*per_head, pos.data(), b,
+            const edgekv_score_head a = {n_pad, hd, n_q, kb.get() + ((size_t) jj*H + h)*per_head, pos.data(), b,
                                          kq_scale, lg, lg + (size_t) n_q*n_pad, ac};
             edgekv_score_one(a, q + ((size_t) l*n_head + qh)*n_q*hd, q_pos, avx512);
         });
@@ -1665,7 +1687,7 @@ static bool edgekv_host_score(const llama_edgekv_kv & e, const std::vector<int32
                 float * o = out + ((size_t) todo[j0 + jj]*H + h)*n;
                 std::fill(o, o + n, 0.0f);
                 for (int32_t g = 0; g < group; ++g) { // query head h*group + g, summed over its queries first, as the graph
-                    const float * ac = acc.data() + ((size_t) jj*n_head + h*group + g)*n_pad;
+                    const float * ac = acc.get() + ((size_t) jj*n_head + h*group + g)*n_pad;
                     for (int32_t i = 0; i < n; ++i) {
                         o[i] += ac[i];
                     }
@@ -2035,7 +2057,7 @@ int32_t llama_edgekv_seq_lag_scores(
     llama_synchronize(ctx);
     // one (layer, head) per item: its groups' K and V rows converted once (each group is
     // the next one's reference), then scored
-    const bool ok = edgekv_host_parallel(e.n_layer*H, (int32_t) ctx->n_threads(), [&](int32_t item, std::vector<uint8_t> & tmp) {
+    const bool ok = edgekv_host_parallel(e.n_layer*H, (int32_t) ctx->n_threads(), [&](int32_t item, edgekv_scratch & tmp) {
         const int32_t l = item/H, h = item % H;
         const auto & layer = e.layers()[l];
         const int32_t * mem = members + (size_t) item*per_head;
