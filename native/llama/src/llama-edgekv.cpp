@@ -981,11 +981,11 @@ static bool edgekv_host_merge(const llama_edgekv_kv & e, int32_t n_group, int32_
                 }
             }
         }
-        // F16 rounds to nearest even through the CPU backend's own converter, the one its
-        // set_rows calls (F16C where the build has it; ggml_fp32_to_fp16_row, which gives
-        // every finite float the same half, runs scalar in ggml-base, a tenth of Chelsea's
-        // merge time); other types go through the CPU backend's own quantiser, the one its set_rows calls,
-        // or with reference through ggml's reference one (ggml_quantize_chunk's rounding)
+        // F16 rounds to nearest even through the CPU backend's converter, the one its set_rows
+        // calls (F16C where built; ggml-base's ggml_fp32_to_fp16_row gives every finite float
+        // the same half, one at a time); other types go through the CPU backend's own
+        // quantiser, the one its set_rows calls, or with reference through ggml's reference
+        // one (ggml_quantize_chunk's rounding)
         const ggml_from_float_t quantize = reference ? ggml_get_type_traits(t->type)->from_float_ref
                                                      : ggml_get_type_traits_cpu(t->type)->from_float;
         const auto store = [&](const float * o, uint8_t * dst, int64_t m) {
