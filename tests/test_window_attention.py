@@ -97,6 +97,25 @@ def test_native_score_op_scores_only_the_layers_it_is_given(smollm2) -> None:
     ctx.close()
 
 
+@pytest.mark.parametrize("engine", ["state", "native"])
+def test_prefetching_every_layer_gives_the_layer_by_layer_scores(smollm2, engine) -> None:
+    """ProtoKV asks for every layer's window attention in one call: the same floats as
+    one call per layer, each layer scored once."""
+    ctx = Context(smollm2, n_ctx=256, n_batch=128, n_threads=2)
+    eng = make_engine(ctx, engine)
+    eng.observe(8)
+    prefill(eng, smollm2.tokenize(TEXT, add_special=True)[:160])
+    one, every = eng.snapshot(), eng.snapshot()
+    want = [one.window_attention(layer, 8) for layer in range(one.n_layer)]
+    every.window_attention(4, 8)
+    every.prefetch_window_attention(8)
+    assert sorted(every.scored_layers) == list(range(every.n_layer)) and every.scored_layers[0] == 4
+    for layer in range(every.n_layer):
+        assert np.array_equal(every.window_attention(layer, 8), want[layer]), layer
+    assert len(every.scored_layers) == every.n_layer  # nothing scored twice
+    ctx.close()
+
+
 def test_gemma3_window_attention_on_the_global_layers(gemma3) -> None:
     """iSWA: the snapshot holds the full-attention layers only; the window's rows follow them."""
     info = gemma3.info

@@ -637,10 +637,14 @@ class NativeSnapshot(KVSnapshot):
         self._sqn.update(enumerate(self._live().key_sqnorms(cell_order=True)[:, :, self.order]))
 
     def _attention(self, layer: int, q: np.ndarray, q_pos: np.ndarray) -> np.ndarray:
+        return self._attention_layers([layer], q, q_pos)[0]
+
+    def _attention_layers(self, layers: list[int], q: np.ndarray, q_pos: np.ndarray) -> list[np.ndarray]:
         eng = self._live()
         if self._rotated is None or self._rotated[0] is not q:  # the window's queries, rotated once for all layers
             self._rotated = (q, eng.rotate_queries(q))
-        return eng.score(self._rotated[1], q_pos, self.kq_scale, layers=[layer], rotated=True)[layer]
+        out = eng.score(self._rotated[1], q_pos, self.kq_scale, layers=layers, rotated=True)
+        return [out[layer] for layer in layers]
 
     def lag_scores(self, members: np.ndarray) -> np.ndarray | None:
         eng = self._live()

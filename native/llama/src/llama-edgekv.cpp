@@ -1380,7 +1380,8 @@ constexpr int32_t EDGEKV_SCORE_CHUNK = 1024; // cells whose keys (256 KiB at 64 
 
 struct edgekv_score_head {
     int32_t n_pad, hd, n_q;
-    const float   * kb;    // [n_pad/16][hd][16] the head's keys, padded with zeros
+    const float   * kb;    // [.][hd][16] the head's keys from cell kb0 on, padded with zeros
+    int32_t         kb0;   // the first cell kb holds: 0 (every cell) or a chunk's start
     const int32_t * pos;   // [n_pad] cell positions, INT32_MAX in the padding (never seen)
     const float   * bias;  // [n_pad]: the log-count bias, zeros while it is off
     float           scale;
@@ -1417,9 +1418,10 @@ static inline __m256 edgekv_exp_neg(__m256 x) {
 // accumulators and running maxima in registers (every loop over its queries has a constant
 // trip count, so none lives in memory) and stores the maxima in a.mx between chunks.
 template <int QB, typename Pass>
-static void edgekv_score_passes(const edgekv_score_head & a, const float * q, const llama_pos * q_pos) {
-    for (int32_t c0 = 0; c0 < a.n_pad; c0 += EDGEKV_SCORE_CHUNK) {
-        const int32_t c1 = std::min(a.n_pad, c0 + EDGEKV_SCORE_CHUNK);
+static void edgekv_score_passes(const edgekv_score_head & a, const float * q, const llama_pos * q_pos,
+                                int32_t c_lo, int32_t c_hi) {
+    for (int32_t c0 = c_lo; c0 < c_hi; c0 += EDGEKV_SCORE_CHUNK) {
+        const int32_t c1 = std::min(c_hi, c0 + EDGEKV_SCORE_CHUNK);
         for (int32_t t0 = 0; t0 < a.n_q; t0 += QB) {
             const int32_t nt = std::min(QB, a.n_q - t0);
             const float * qt[QB];
@@ -1454,7 +1456,7 @@ struct edgekv_score_pass_avx2 {
             for (int32_t u = 0; u < QB; ++u) {
                 s0[u] = s1[u] = _mm256_setzero_ps();
             }
-            const float * kp = a.kb + (size_t) b*hd;
+            const float * kp = a.kb + (size_t) (b - a.kb0)*hd;
             for (int32_t d = 0; d < hd; ++d) {
                 const __m256 k0 = _mm256_loadu_ps(kp + (size_t) d*L), k1 = _mm256_loadu_ps(kp + (size_t) d*L + 8);
 #pragma GCC unroll 16
@@ -1505,7 +1507,7 @@ static inline void edgekv_score_blocks_avx512(const edgekv_score_head & a, int32
             s[j][u] = _mm512_setzero_ps();
         }
     }
-    const float * kp = a.kb + (size_t) b*hd;
+    const float * kp = a.kb + (size_t) (b - a.kb0)*hd;
     for (int32_t d = 0; d < hd; ++d) {
         __m512 k[NB];
 #pragma GCC unroll 16
@@ -1602,13 +1604,36 @@ static void edgekv_score_softmax_avx2(const edgekv_score_head & a) {
 // One (layer, query head): 8 queries a pass with AVX-512 (16 accumulators and 8 maxima of
 // 32), 6 with AVX2 (12 accumulators of 16 registers); about twice the multiply-adds a
 // second of the 4-query kernel they replaced, which kept its accumulators in memory
-static void edgekv_score_one(const edgekv_score_head & a, const float * q, const llama_pos * q_pos, bool avx512) {
+// The logits of cells c_lo..c_hi-1 (whole chunks; c_lo a chunk's start), their running maxima
+static void edgekv_score_logits(const edgekv_score_head & a, const float * q, const llama_pos * q_pos,
+                                int32_t c_lo, int32_t c_hi, bool avx512) {
     if (avx512) {
-        edgekv_score_passes<8, edgekv_score_pass_avx512<8>>(a, q, q_pos);
+        edgekv_score_passes<8, edgekv_score_pass_avx512<8>>(a, q, q_pos, c_lo, c_hi);
     } else {
-        edgekv_score_passes<6, edgekv_score_pass_avx2<6>>(a, q, q_pos);
+        edgekv_score_passes<6, edgekv_score_pass_avx2<6>>(a, q, q_pos, c_lo, c_hi);
     }
+}
+
+static void edgekv_score_one(const edgekv_score_head & a, const float * q, const llama_pos * q_pos, bool avx512) {
+    edgekv_score_logits(a, q, q_pos, 0, a.n_pad, avx512);
     edgekv_score_softmax_avx2(a);
+}
+
+// Cells c0..c1-1 of KV head h of layer tensor k as F32 blocks of 16 cells, channel-major
+// inside a block, from dst on; cells from n on are zeros (the padding)
+static void edgekv_score_convert(const llama_edgekv_kv & e, const ggml_tensor * k, int32_t h, int32_t c0, int32_t c1,
+                                 int32_t n, float * rowf, float * dst) {
+    const int32_t H = e.n_head_kv, hd = e.hd_k, L = EDGEKV_SCORE_LANES;
+    const size_t row_bytes = ggml_row_size(k->type, hd);
+    for (int32_t i = c0; i < c1; ++i) {
+        if (i < n) {
+            edgekv_to_f32(k->type, (const uint8_t *) k->data + ((size_t) e.cells[i]*H + h)*row_bytes, rowf, hd);
+        }
+        float * blk = dst + (size_t) ((i - c0)/L)*L*hd + i % L;
+        for (int32_t d = 0; d < hd; ++d) {
+            blk[(size_t) d*L] = i < n ? rowf[d] : 0.0f;
+        }
+    }
 }
 
 static bool edgekv_host_score(const llama_edgekv_kv & e, const std::vector<int32_t> & todo, int32_t n_head, int32_t n_q,
@@ -1634,53 +1659,83 @@ static bool edgekv_host_score(const llama_edgekv_kv & e, const std::vector<int32
             }
         }
     }
-    // Layers go in batches whose converted keys fit in 64 MiB. Per batch, the keys of each
-    // (layer, KV head) are converted first; then each (layer, query head) is an item of its
-    // own, so a call for one layer (SnapKV's scorer asks layer by layer) still shares its
-    // nine query heads out over the threads, where three KV heads on two threads left one
-    // idle half the time. A KV head's query heads are summed in order afterwards.
+    // Two ways to share the work out, with the same floats per cell:
+    // - Many layers at once (ProtoKV asks for all of them in one call): each (layer, KV
+    //   head) is an item. Its keys are converted a chunk at a time into a buffer that stays
+    //   in the L2 cache while every query of the group's query heads passes over it, so
+    //   no converted copy of the head goes through memory and the group reads it once.
+    // - Few layers (SnapKV's scorer asks layer by layer): the keys of each (layer, KV head)
+    //   are converted first, into batches that fit in 64 MiB; then each (layer, query
+    //   head) is an item of its own, so one layer's nine query heads share the threads,
+    //   where three KV heads on two threads left one idle half the time.
+    // A KV head's query heads are summed in order afterwards.
     const size_t per_head = (size_t) n_pad*hd;
     const int32_t n_todo = (int32_t) todo.size();
-    const int32_t batch = std::max<int32_t>(1, std::min<int32_t>(n_todo, (int32_t) ((64u << 20)/(H*per_head*sizeof(float)))));
+    const bool by_kv_head = n_todo*H >= 8*std::max<int32_t>(1, n_threads);
+    const size_t batch_bytes = by_kv_head ? (size_t) n_head*n_pad*sizeof(float) : (size_t) H*per_head*sizeof(float);
+    const int32_t batch = std::max<int32_t>(1, std::min<int32_t>(n_todo, (int32_t) ((64u << 20)/batch_bytes)));
     // every element of both is written before it is read: no zeroing (the keys of one
     // layer of an 8k cache are 6 MiB, asked for again at every call)
     std::unique_ptr<float[]> kb, acc;
     try {
-        kb.reset(new float[(size_t) batch*H*per_head]);
+        if (!by_kv_head) {
+            kb.reset(new float[(size_t) batch*H*per_head]);
+        }
         acc.reset(new float[(size_t) batch*n_head*n_pad]);
     } catch (const std::bad_alloc &) {
         return false;
     }
     for (int32_t j0 = 0; j0 < n_todo; j0 += batch) {
         const int32_t nb = std::min(batch, n_todo - j0);
-        bool ok = edgekv_host_parallel(nb*H, n_threads, [&](int32_t item, edgekv_scratch & tmp) {
-            const int32_t h = item % H, l = todo[j0 + item/H];
-            const ggml_tensor * k = e.layers()[l].k;
-            const size_t row_bytes = ggml_row_size(k->type, hd);
-            tmp.resize(hd*sizeof(float));
-            float * rowf = (float *) tmp.data();
-            float * kh = kb.get() + (size_t) item*per_head;
-            for (int32_t i = 0; i < n_pad; ++i) {
-                if (i < n) {
-                    edgekv_to_f32(k->type, (const uint8_t *) k->data + ((size_t) e.cells[i]*H + h)*row_bytes, rowf, hd);
+        bool ok = true;
+        if (by_kv_head) {
+            ok = edgekv_host_parallel(nb*H, n_threads, [&](int32_t item, edgekv_scratch & tmp) {
+                const int32_t jj = item/H, h = item % H, l = todo[j0 + jj];
+                const int32_t chunk = std::min(EDGEKV_SCORE_CHUNK, n_pad);
+                const size_t n_lg = (size_t) n_q*n_pad + 16*(size_t) n_q; // one query head's logits and maxima
+                tmp.resize(((size_t) hd + (size_t) chunk*hd + group*n_lg)*sizeof(float));
+                float * rowf = (float *) tmp.data();
+                float * kc = rowf + hd;
+                float * lg = kc + (size_t) chunk*hd;
+                const float * b = bias_on ? bias[j0 + jj].data() + (size_t) h*n_pad : zeros.data();
+                std::vector<edgekv_score_head> heads;
+                for (int32_t g = 0; g < group; ++g) {
+                    float * ac = acc.get() + ((size_t) jj*n_head + h*group + g)*n_pad;
+                    std::fill(ac, ac + n_pad, 0.0f);
+                    float * lgg = lg + (size_t) g*n_lg;
+                    heads.push_back({n_pad, hd, n_q, kc, 0, pos.data(), b, kq_scale, lgg, lgg + (size_t) n_q*n_pad, ac});
                 }
-                float * blk = kh + (size_t) (i/L)*L*hd + i % L;
-                for (int32_t d = 0; d < hd; ++d) {
-                    blk[(size_t) d*L] = i < n ? rowf[d] : 0.0f;
+                for (int32_t c0 = 0; c0 < n_pad; c0 += chunk) {
+                    const int32_t c1 = std::min(n_pad, c0 + chunk);
+                    edgekv_score_convert(e, e.layers()[l].k, h, c0, c1, n, rowf, kc);
+                    for (int32_t g = 0; g < group; ++g) {
+                        heads[g].kb0 = c0;
+                        edgekv_score_logits(heads[g], q + ((size_t) l*n_head + h*group + g)*n_q*hd, q_pos, c0, c1, avx512);
+                    }
                 }
-            }
-        });
-        ok = ok && edgekv_host_parallel(nb*n_head, n_threads, [&](int32_t item, edgekv_scratch & tmp) {
-            const int32_t jj = item/n_head, qh = item % n_head, h = qh/group, l = todo[j0 + jj];
-            tmp.resize(((size_t) n_q*n_pad + 16*(size_t) n_q)*sizeof(float));
-            float * lg = (float *) tmp.data();
-            float * ac = acc.get() + (size_t) item*n_pad;
-            std::fill(ac, ac + n_pad, 0.0f);
-            const float * b = bias_on ? bias[j0 + jj].data() + (size_t) h*n_pad : zeros.data();
-            const edgekv_score_head a = {n_pad, hd, n_q, kb.get() + ((size_t) jj*H + h)*per_head, pos.data(), b,
-                                         kq_scale, lg, lg + (size_t) n_q*n_pad, ac};
-            edgekv_score_one(a, q + ((size_t) l*n_head + qh)*n_q*hd, q_pos, avx512);
-        });
+                for (int32_t g = 0; g < group; ++g) {
+                    edgekv_score_softmax_avx2(heads[g]);
+                }
+            });
+        } else {
+            ok = edgekv_host_parallel(nb*H, n_threads, [&](int32_t item, edgekv_scratch & tmp) {
+                const int32_t h = item % H, l = todo[j0 + item/H];
+                tmp.resize(hd*sizeof(float));
+                edgekv_score_convert(e, e.layers()[l].k, h, 0, n_pad, n, (float *) tmp.data(),
+                                     kb.get() + (size_t) item*per_head);
+            });
+            ok = ok && edgekv_host_parallel(nb*n_head, n_threads, [&](int32_t item, edgekv_scratch & tmp) {
+                const int32_t jj = item/n_head, qh = item % n_head, h = qh/group, l = todo[j0 + jj];
+                tmp.resize(((size_t) n_q*n_pad + 16*(size_t) n_q)*sizeof(float));
+                float * lg = (float *) tmp.data();
+                float * ac = acc.get() + (size_t) item*n_pad;
+                std::fill(ac, ac + n_pad, 0.0f);
+                const float * b = bias_on ? bias[j0 + jj].data() + (size_t) h*n_pad : zeros.data();
+                const edgekv_score_head a = {n_pad, hd, n_q, kb.get() + ((size_t) jj*H + h)*per_head, 0, pos.data(), b,
+                                             kq_scale, lg, lg + (size_t) n_q*n_pad, ac};
+                edgekv_score_one(a, q + ((size_t) l*n_head + qh)*n_q*hd, q_pos, avx512);
+            });
+        }
         if (!ok) {
             return false;
         }
