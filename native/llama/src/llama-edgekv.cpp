@@ -1671,7 +1671,10 @@ static bool edgekv_host_score(const llama_edgekv_kv & e, const std::vector<int32
     // A KV head's query heads are summed in order afterwards.
     const size_t per_head = (size_t) n_pad*hd;
     const int32_t n_todo = (int32_t) todo.size();
-    const bool by_kv_head = n_todo*H >= 8*std::max<int32_t>(1, n_threads);
+    // (by KV head, a thread holds the logits of a whole group: bounded to 16 MiB, so H2O's
+    // tally over a 512-token decode keeps to the per-query-head items)
+    const bool by_kv_head = n_todo*H >= 8*std::max<int32_t>(1, n_threads) &&
+                            (size_t) group*n_q*n_pad*sizeof(float) <= (16u << 20);
     const size_t batch_bytes = by_kv_head ? (size_t) n_head*n_pad*sizeof(float) : (size_t) H*per_head*sizeof(float);
     const int32_t batch = std::max<int32_t>(1, std::min<int32_t>(n_todo, (int32_t) ((64u << 20)/batch_bytes)));
     // every element of both is written before it is read: no zeroing (the keys of one
