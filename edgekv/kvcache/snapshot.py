@@ -202,13 +202,9 @@ class KVSnapshot:
         queries pay to each cell, summed over them and over each KV head's query heads
         (``queries.window_attention``). Computed once per layer and kept;
         ``scored_layers`` records which layers paid for it."""
-        key = (layer, n_queries)
         with self._lock:
-            if key not in self._attn:
-                q, q_pos = self._window(n_queries)
-                self._attn[key] = np.asarray(self._attention(layer, q, q_pos), np.float64)
-                self.scored_layers.append(layer)
-            return self._attn[key]
+            self.prefetch_window_attention(n_queries, [layer])
+            return self._attn[(layer, n_queries)]
 
     def prefetch_window_attention(self, n_queries: int, layers: Sequence[int] | None = None) -> None:
         """Score ``layers`` (default: every layer) for ``window_attention`` in one engine call

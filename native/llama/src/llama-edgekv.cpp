@@ -1601,10 +1601,11 @@ static void edgekv_score_softmax_avx2(const edgekv_score_head & a) {
 }
 
 
-// One (layer, query head): 8 queries a pass with AVX-512 (16 accumulators and 8 maxima of
-// 32), 6 with AVX2 (12 accumulators of 16 registers); about twice the multiply-adds a
-// second of the 4-query kernel they replaced, which kept its accumulators in memory
-// The logits of cells c_lo..c_hi-1 (whole chunks; c_lo a chunk's start), their running maxima
+// The logits of cells c_lo..c_hi-1 (whole chunks; c_lo a chunk's start) for one (layer,
+// query head), and their running maxima: 8 queries a pass with AVX-512 (16 accumulators and
+// 8 maxima of 32), 6 with AVX2 (12 accumulators of 16 registers); about twice the
+// multiply-adds a second of the 4-query kernel they replaced, which kept its accumulators
+// in memory
 static void edgekv_score_logits(const edgekv_score_head & a, const float * q, const llama_pos * q_pos,
                                 int32_t c_lo, int32_t c_hi, bool avx512) {
     if (avx512) {
@@ -1614,6 +1615,7 @@ static void edgekv_score_logits(const edgekv_score_head & a, const float * q, co
     }
 }
 
+// One (layer, query head) whose keys kb holds whole: its logits, then its softmax into acc
 static void edgekv_score_one(const edgekv_score_head & a, const float * q, const llama_pos * q_pos, bool avx512) {
     edgekv_score_logits(a, q, q_pos, 0, a.n_pad, avx512);
     edgekv_score_softmax_avx2(a);
