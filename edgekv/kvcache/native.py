@@ -246,7 +246,11 @@ class NativeEngine:
 
     def shift(self, n_keep: int, n_discard: int) -> int:
         self._gen += 1
-        return self._portable.shift(n_keep, n_discard)
+        try:  # the positions from the cells op, not from a parse of the whole state blob
+            cell_pos = self.cell_positions()
+        except NativeUnsupported:  # a shift still pending: the state API serves
+            cell_pos = None
+        return self._portable.shift(n_keep, n_discard, cell_pos)
 
     def renumber(self) -> int:
         """Through the state API (a host round trip); the log-count bias, which a restore

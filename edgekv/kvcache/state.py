@@ -205,26 +205,31 @@ class StateEngine:
         rows = frozenset(r for r, il in enumerate(self.layers) if il in model.info.nope_layers)
         return QueryMoments.zeros(rope, self.layers, rows, model.arch.n_head, self.head_dim_k)
 
-    def shift(self, n_keep: int, n_discard: int) -> int:
+    def shift(self, n_keep: int, n_discard: int, cell_pos: np.ndarray | None = None) -> int:
         """llama.cpp's context shift on this sequence: drop cells n_keep..n_keep+n_discard-1
         (token order) and move the later ones down by n_discard positions. Returns
         the position delta. Only valid on a cache whose cells are whole tokens
-        (never compacted per head), which the caller guarantees."""
+        (never compacted per head), which the caller guarantees. It needs only the
+        cells' positions (``cell_pos``, in cell order, where the caller has them
+        cheaper than a parse of the state blob), never the keys or values."""
         if self.tokens.counts is not None:
             raise EdgekvError("context shift needs an unmerged cache (merged cells stand for several tokens)")
-        snap = self.snapshot()
-        if not np.all(snap.token_pos == snap.token_pos[:1, :1]):
+        cell_pos = self.cell_positions() if cell_pos is None else cell_pos
+        self.fold_tally(cell_pos)
+        pos = np.sort(cell_pos, kind="stable")
+        n_layer = len(self.layers)
+        token_pos = self.tokens.full(pos, n_layer)
+        if not np.all(token_pos == token_pos[:1, :1]):
             raise EdgekvError("context shift needs an uncompacted cache (same tokens in every head)")
-        pos = snap.pos
         p0, p1 = int(pos[n_keep]), int(pos[n_keep + n_discard])
         delta = p1 - p0
         if not self.ctx.seq_rm(self.seq, p0, p1):
             raise EdgekvError("llama.cpp refused to remove the shifted range")
         self.ctx.seq_add(self.seq, p1, -1, -delta)
-        keep = np.concatenate([np.arange(n_keep), np.arange(n_keep + n_discard, snap.n_cells)])
-        rot = self.tokens.full_rot(pos, snap.n_layer)[:, :, keep]
+        keep = np.concatenate([np.arange(n_keep), np.arange(n_keep + n_discard, pos.shape[0])])
+        rot = self.tokens.full_rot(pos, n_layer)[:, :, keep]
         rot[:, :, n_keep:] -= delta  # llama.cpp's K-shift moves these keys down
-        self.tokens.set(snap.token_pos[:, :, keep], rot=rot)
+        self.tokens.set(token_pos[:, :, keep], rot=rot)
         self.tokens.pos_shift += delta
         self._shift_pending = True
         if self.tally is not None:
