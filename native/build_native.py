@@ -8,6 +8,9 @@ API mode: the C compiler checks every declaration below against the real
 The module lands in ``edgekv/_edgekv_native*.so``. On a stock libllama (no
 header, no symbols) that build fails, and edgekv uses the portable state engine.
 
+``edgekv/_edgekv_kernels*.so`` wraps ``native/kernels.c``, host kernels over numpy
+arrays that any engine's methods use (ProtoKV's assignment); it links nothing.
+
 ``edgekv/_edgekv_capture*.so`` wraps ``native/capture.c``, an eval callback
 (``cb_eval``) that copies named graph tensors (``Qcur-<il>``, ``kqv_out-<il>``)
 to the host during ``llama_decode``. It uses only ggml's public API and links
@@ -79,6 +82,13 @@ int32_t edgekv_capture_status(const struct edgekv_capture * c);
 """
 
 
+KERNELS_CDEF = """
+int32_t edgekv_kernel_isa(void);
+int32_t edgekv_best_two(const float * x, int64_t n, int64_t d, const float * pt, int64_t c, int64_t cp,
+                        float * top, float * second, int32_t * arg);
+"""
+
+
 def _compile(module: str, cdef: str, source: str, libraries: list[str], sources: list[str] = ()) -> Path:
     site = site_packages()
     include = site / "include"
@@ -111,6 +121,11 @@ def build_capture() -> Path:
                     ["ggml-base"], [ROOT / "native" / "capture.c"])
 
 
+def build_kernels() -> Path:
+    """``native/kernels.c``: host kernels over numpy arrays; no llama.cpp, any engine."""
+    return _compile("_edgekv_kernels", KERNELS_CDEF, '#include "kernels.h"\n', [], [ROOT / "native" / "kernels.c"])
+
+
 def build() -> Path:
     include = site_packages() / "include"
     if not (include / "llama-edgekv.h").is_file():
@@ -125,7 +140,8 @@ def build() -> Path:
 
 if __name__ == "__main__":
     failed = False
-    for what, fn, fallback in (("tensor capture", build_capture, "attention-level capture is unavailable"),
+    for what, fn, fallback in (("host kernels", build_kernels, "ProtoKV's assignment uses numpy's BLAS"),
+                               ("tensor capture", build_capture, "attention-level capture is unavailable"),
                                ("native ops", build, "edgekv will use the portable state engine")):
         try:
             print(f"[edgekv native] built {what}: {fn().relative_to(ROOT)}")

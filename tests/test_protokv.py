@@ -512,3 +512,67 @@ def test_assignment_is_float64s_argmax_even_on_near_ties() -> None:
     mid = (base[0] + base[1]) / 2
     on_edge = mid[None, :] * rng.uniform(0.5, 2, (50, 1))
     assert np.array_equal(assign(on_edge, base), np.argmax(on_edge @ base.T, axis=1))
+
+
+def test_the_fused_kernel_runs_exactly_where_the_cpu_has_avx512(monkeypatch) -> None:
+    """``kernels.best_two`` runs on an AVX-512 CPU (the module is built by setup) and
+    declines elsewhere and under EDGEKV_CPU=avx2, where ProtoKV keeps numpy's BLAS."""
+    from edgekv import kernels
+    from edgekv.llama import cpu_flag
+
+    x = np.ones((3, 8), np.float32)
+    p = np.eye(2, 8, dtype=np.float32)
+    assert (kernels.best_two(x, p) is not None) == cpu_flag("avx512f")
+    monkeypatch.setenv("EDGEKV_CPU", "avx2")
+    assert kernels.best_two(x, p) is None
+
+
+@pytest.mark.parametrize(("n", "c", "d"), [(1, 2, 64), (13, 31, 64), (500, 32, 64), (2049, 517, 64),
+                                           (300, 33, 128), (77, 100, 48), (40, 5, 3)])
+def test_the_fused_kernels_best_two_are_the_float32_products(n: int, c: int, d: int) -> None:
+    """Top, second and the first best prototype per key: within float32's rounding of the
+    float64 products, with every padded column of the kernel's last tile left out (c not a
+    multiple of 32, tiles of 12 keys cut short), and the earlier of two equal prototypes."""
+    from edgekv import kernels
+    from edgekv.llama import cpu_flag
+
+    if not cpu_flag("avx512f"):
+        pytest.skip("no AVX-512: ProtoKV's assignment runs numpy's BLAS, tested above")
+    rng = np.random.default_rng(n + c + d)
+    x = (rng.standard_normal((n, d)) * rng.uniform(0.1, 30, (n, 1))).astype(np.float32)
+    protos = rng.standard_normal((c, d))
+    protos /= np.linalg.norm(protos, axis=1, keepdims=True)
+    protos[c // 2] = protos[0]  # an exact tie with prototype 0 (c = 2: the only other one)
+    p32 = protos.astype(np.float32)
+    top, second, arg = kernels.best_two(x, p32)
+    s = x.astype(np.float64) @ p32.astype(np.float64).T
+    slack = 2 * (d + 4) * 2.0**-24 * np.linalg.norm(x.astype(np.float64), axis=1)
+    srt = np.sort(s, axis=1)
+    assert np.all(np.abs(top - srt[:, -1]) <= slack)
+    assert np.all(np.abs(second - srt[:, -2]) <= slack)
+    assert np.all(s[np.arange(n), arg] >= srt[:, -1] - 2 * slack)  # a best one, up to rounding
+    assert np.all((arg >= 0) & (arg < c))
+    tied = np.flatnonzero(s.argmax(axis=1) == 0)  # prototype 0 best: its twin at c // 2 ties it
+    assert np.all(arg[tied] == 0) and np.all(second[tied] == top[tied])
+
+
+def test_assignment_is_the_same_with_and_without_the_fused_kernel(monkeypatch) -> None:
+    """ProtoKV's clusters on AVX-512 (the fused kernel) and under EDGEKV_CPU=avx2 (numpy's
+    BLAS): the same labels for cache-like keys, for rows with a NaN or an infinity, and for
+    keys whose float32 products overflow (numpy decides those in float64)."""
+    rng = np.random.default_rng(31)
+    w0, b = rff_draw(0, 3, 64)
+    x = (3 * rng.standard_normal((64, 1, 64)) + rng.standard_normal((64, 32, 64))).reshape(2048, 64)
+    x = x.astype(np.float32)
+    fused, _ = cluster_ids(x, 16, 3, 24, w0, b)
+    protos = rng.standard_normal((45, 64))
+    protos /= np.linalg.norm(protos, axis=1, keepdims=True)
+    y = x[:400].copy()
+    y[5, 3], y[77, 0], y[78, 9] = np.nan, np.inf, -np.inf
+    y[200] = 3e38  # finite, but its float32 products overflow
+    odd = assign(y, protos)
+    monkeypatch.setenv("EDGEKV_CPU", "avx2")
+    assert np.array_equal(cluster_ids(x, 16, 3, 24, w0, b)[0], fused)
+    assert np.array_equal(assign(y, protos), odd)
+    with np.errstate(invalid="ignore", over="ignore"):
+        assert np.array_equal(odd, np.argmax(y.astype(np.float64) @ protos.T, axis=1))

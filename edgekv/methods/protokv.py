@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
+from .. import kernels
 from ..gguf_info import ModelInfo
 from ..kvcache.snapshot import KVSnapshot
 from .base import ScorerMethod
@@ -212,8 +213,9 @@ def assign(x: np.ndarray, protos: np.ndarray) -> np.ndarray:
     vectors, so the key's own norm does not matter: argmax of the dot product), the
     first on ties; all 0 when there is no prototype.
 
-    This is ProtoKV's largest cost (keys x prototypes, quadratic in the cache). The
-    products run in float32 (float32 keys as they are), at twice float64's speed, and
+    This is ProtoKV's largest cost (keys x prototypes, quadratic in the cache). With
+    AVX-512 the products and the best two run in one compiled pass (``kernels.best_two``),
+    else as BLAS products and a compiled pass over them. The products run in float32 (float32 keys as they are), at twice float64's speed, and
     every row whose best two float32 scores lie within their rounding bound of each
     other is decided again in float64, so the answer is float64's ``argmax(x @ protos.T)`` (a NaN product wins,
     the first one, as numpy's argmax has it). The bound holds for any order of the
@@ -229,6 +231,17 @@ def assign(x: np.ndarray, protos: np.ndarray) -> np.ndarray:
     # the bound only filters rows to decide again, so a norm rounded differently (float32
     # keys' in float32: within 1e-5 of float64's, well inside the 1.01) changes nothing
     bound = 2.0 * ((d + 4) * _F32_SLACK + (d + 2) * _F64_SLACK) * 1.01 * np.sqrt(np.einsum("nd,nd->n", x, x))
+    fused = kernels.best_two(x32, p32) if np.isfinite(p32).all() else None
+    if fused is not None:  # the products and the best two in one compiled pass (AVX-512)
+        top, second, arg = fused
+        best = arg.astype(np.int64)
+        # a row with a NaN or an infinity has no finite bound, one whose products overflow no
+        # finite top: numpy decides both
+        with np.errstate(invalid="ignore"):
+            unsure = np.flatnonzero(~((top.astype(np.float64) - second > bound) & np.isfinite(top)))
+        if unsure.size:
+            best[unsure] = np.argmax(x[unsure].astype(np.float64) @ protos.T, axis=1)
+        return best
     best = np.empty(n, np.int64)
     top = np.empty(_ASSIGN_ROWS, np.float32)
     second = np.empty(_ASSIGN_ROWS, np.float32)
@@ -238,7 +251,9 @@ def assign(x: np.ndarray, protos: np.ndarray) -> np.ndarray:
         r = s.shape[1]
         _best_two(s, top, second, arg)
         b = arg[:r].astype(np.int64)
-        unsure = np.flatnonzero(top[:r].astype(np.float64) - second[:r] <= bound[lo : lo + r])
+        with np.errstate(invalid="ignore"):  # as above: rows without finite products go to float64
+            unsure = np.flatnonzero(~((top[:r].astype(np.float64) - second[:r] > bound[lo : lo + r])
+                                      & np.isfinite(top[:r])))
         if unsure.size:
             b[unsure] = np.argmax(x[lo + unsure].astype(np.float64) @ protos.T, axis=1)
         best[lo : lo + r] = b

@@ -1,0 +1,179 @@
+// Host kernels for edgekv's methods that need no llama.cpp: they run over numpy arrays on
+// either engine. Each runs where the CPU has AVX-512 (checked per call); elsewhere, and
+// under EDGEKV_CPU=avx2 (as an AVX2-only CPU would), a call returns
+// EDGEKV_KERNEL_UNSUPPORTED and the caller keeps its numpy path. An AVX2 body of
+// edgekv_best_two (6 keys by 16 prototypes) ran at 58 GFLOP/s on the Xeon, slower than
+// numpy's BLAS products there, so AVX2 CPUs keep the BLAS.
+
+#include "kernels.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define EDGEKV_X86 1
+#include <immintrin.h>
+#endif
+
+// The running best two scores per SIMD lane: lane l of a key sees prototypes l, l + 16,
+// l + 32, ... in increasing order, so a strict > keeps the first of equal scores.
+// ``second`` is the largest score of the lane's prototypes other than its best (equal to
+// it on a tie), which is all the caller's bound needs.
+typedef struct {
+    float top[16];
+    float second[16];
+    int32_t arg[16];
+} edgekv_lanes;
+
+// Fold the 16 lanes of one key into its best prototype and the largest score of the others.
+static void edgekv_fold_lanes(const edgekv_lanes * s, float * top, float * second, int32_t * arg) {
+    const int w = 16;
+    int best = 0;
+    for (int l = 1; l < w; l++) {
+        if (s->top[l] > s->top[best] || (s->top[l] == s->top[best] && s->arg[l] < s->arg[best])) {
+            best = l;
+        }
+    }
+    float sec = -INFINITY;
+    for (int l = 0; l < w; l++) {
+        sec = s->second[l] > sec ? s->second[l] : sec;
+        if (l != best && s->top[l] > sec) {
+            sec = s->top[l];
+        }
+    }
+    *top = s->top[best];
+    *second = sec;
+    *arg = s->arg[best];
+}
+
+#ifdef EDGEKV_X86
+
+// AVX-512: 12 keys by 32 prototypes a tile, 24 accumulators; the prototypes' transposed
+// rows pt[k][j] (32 floats a row per tile), the keys' channels broadcast. At 8k cells, 517
+// prototypes and d = 64 it runs at about 120 GFLOP/s on the Xeon (8 keys a tile: 113).
+#define EDGEKV_TILE_KEYS 12
+// Tiles of keys a block holds: each tile of prototypes (8 KiB of pt at d = 64) is read from
+// L2 once per block and stays in L1 while the block's tiles pass over it.
+#define EDGEKV_TILES 6
+
+// The r keys of a tile, channel-major (xt[k * EDGEKV_TILE_KEYS + i] = x[i][k]): the tile's
+// inner loop then broadcasts them from one pointer that steps by a row.
+static void edgekv_transpose_keys(const float * x, int64_t d, int r, float * xt) {
+    for (int64_t k = 0; k < d; k++) {
+        for (int i = 0; i < EDGEKV_TILE_KEYS; i++) {
+            xt[k * EDGEKV_TILE_KEYS + i] = i < r ? x[i * d + k] : 0.0f;
+        }
+    }
+}
+
+
+__attribute__((target("avx512f"))) static inline void edgekv_update512(__m512 v, __m512i idx, float * top,
+                                                                        float * second, int32_t * arg) {
+    __m512 t = _mm512_loadu_ps(top);
+    __m512 s = _mm512_loadu_ps(second);
+    __m512i a = _mm512_loadu_si512(arg);
+    __mmask16 gt = _mm512_cmp_ps_mask(v, t, _CMP_GT_OQ);
+    s = _mm512_mask_blend_ps(gt, _mm512_max_ps(s, v), t);
+    t = _mm512_mask_blend_ps(gt, t, v);
+    a = _mm512_mask_blend_epi32(gt, a, idx);
+    _mm512_storeu_ps(top, t);
+    _mm512_storeu_ps(second, s);
+    _mm512_storeu_si512(arg, a);
+}
+
+__attribute__((target("avx512f"), always_inline)) static inline void edgekv_tile512(const float * xt, int64_t d, int r,
+                                                                      const float * pt, int64_t cp, int64_t j,
+                                                                      int64_t c, edgekv_lanes * st) {
+    __m512 acc[EDGEKV_TILE_KEYS][2];
+    for (int i = 0; i < EDGEKV_TILE_KEYS; i++) {
+        acc[i][0] = _mm512_setzero_ps();
+        acc[i][1] = _mm512_setzero_ps();
+    }
+    const float * pk = pt + j;
+    for (int64_t k = 0; k < d; k++, pk += cp, xt += EDGEKV_TILE_KEYS) {
+        const __m512 p0 = _mm512_loadu_ps(pk);
+        const __m512 p1 = _mm512_loadu_ps(pk + 16);
+#pragma GCC unroll 12
+        for (int i = 0; i < EDGEKV_TILE_KEYS; i++) {  // every row: a short tile's last are zeros
+            const __m512 xb = _mm512_set1_ps(xt[i]);
+            acc[i][0] = _mm512_fmadd_ps(xb, p0, acc[i][0]);
+            acc[i][1] = _mm512_fmadd_ps(xb, p1, acc[i][1]);
+        }
+    }
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i i0 = _mm512_add_epi32(lane, _mm512_set1_epi32((int32_t) j));
+    const __m512i i1 = _mm512_add_epi32(i0, _mm512_set1_epi32(16));
+    const __mmask16 m0 = j + 16 <= c ? (__mmask16) 0xFFFF : (__mmask16) ((1u << (c > j ? c - j : 0)) - 1);
+    const __mmask16 m1 = j + 32 <= c ? (__mmask16) 0xFFFF : (__mmask16) ((1u << (c > j + 16 ? c - j - 16 : 0)) - 1);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    for (int i = 0; i < r; i++) {  // a padded prototype scores -inf: it never wins, never is second
+        edgekv_update512(_mm512_mask_blend_ps(m0, ninf, acc[i][0]), i0, st[i].top, st[i].second, st[i].arg);
+        edgekv_update512(_mm512_mask_blend_ps(m1, ninf, acc[i][1]), i1, st[i].top, st[i].second, st[i].arg);
+    }
+}
+
+__attribute__((target("avx512f"))) static bool edgekv_best_two_avx512(const float * x, int64_t n, int64_t d,
+                                                                       const float * pt, int64_t c, int64_t cp,
+                                                                       float * top, float * second, int32_t * arg) {
+    edgekv_lanes st[EDGEKV_TILES * EDGEKV_TILE_KEYS];
+    float * xt = malloc(sizeof(float) * EDGEKV_TILES * EDGEKV_TILE_KEYS * d);
+    if (xt == NULL) {
+        return false;
+    }
+    for (int64_t lo = 0; lo < n; lo += EDGEKV_TILES * EDGEKV_TILE_KEYS) {
+        const int64_t nb = n - lo < EDGEKV_TILES * EDGEKV_TILE_KEYS ? n - lo : EDGEKV_TILES * EDGEKV_TILE_KEYS;
+        const int tiles = (int) ((nb + EDGEKV_TILE_KEYS - 1) / EDGEKV_TILE_KEYS);
+        for (int t = 0; t < tiles; t++) {
+            const int r = nb - t * EDGEKV_TILE_KEYS < EDGEKV_TILE_KEYS ? (int) (nb - t * EDGEKV_TILE_KEYS) : EDGEKV_TILE_KEYS;
+            edgekv_transpose_keys(x + (lo + t * EDGEKV_TILE_KEYS) * d, d, r, xt + t * EDGEKV_TILE_KEYS * d);
+        }
+        for (int64_t i = 0; i < nb; i++) {
+            for (int l = 0; l < 16; l++) {
+                st[i].top[l] = -INFINITY;
+                st[i].second[l] = -INFINITY;
+                st[i].arg[l] = 0;
+            }
+        }
+        for (int64_t j = 0; j < c; j += 2 * 16) {  // this tile of prototypes stays in L1 for the block
+            for (int t = 0; t < tiles; t++) {
+                const int r = nb - t * EDGEKV_TILE_KEYS < EDGEKV_TILE_KEYS ? (int) (nb - t * EDGEKV_TILE_KEYS) : EDGEKV_TILE_KEYS;
+                edgekv_tile512(xt + t * EDGEKV_TILE_KEYS * d, d, r, pt, cp, j, c, st + t * EDGEKV_TILE_KEYS);
+            }
+        }
+        for (int64_t i = 0; i < nb; i++) {
+            edgekv_fold_lanes(&st[i], top + lo + i, second + lo + i, arg + lo + i);
+        }
+    }
+    free(xt);
+    return true;
+}
+
+#endif  // EDGEKV_X86
+
+int32_t edgekv_kernel_isa(void) {
+#ifdef EDGEKV_X86
+    const char * cpu = getenv("EDGEKV_CPU");
+    const bool avx2_only = cpu != NULL && strcmp(cpu, "avx2") == 0;  // as an AVX2-only CPU would
+    __builtin_cpu_init();
+    if (!avx2_only && __builtin_cpu_supports("avx512f")) {
+        return EDGEKV_KERNEL_AVX512;
+    }
+#endif
+    return EDGEKV_KERNEL_UNSUPPORTED;
+}
+
+int32_t edgekv_best_two(const float * x, int64_t n, int64_t d, const float * pt, int64_t c, int64_t cp,
+                        float * top, float * second, int32_t * arg) {
+    if (n < 0 || d < 1 || c < 1 || cp < c || cp % 32 != 0 || c > INT32_MAX) {
+        return EDGEKV_KERNEL_BAD_ARGS;
+    }
+    const int32_t isa = edgekv_kernel_isa();
+#ifdef EDGEKV_X86
+    if (isa == EDGEKV_KERNEL_AVX512) {
+        return edgekv_best_two_avx512(x, n, d, pt, c, cp, top, second, arg) ? isa : EDGEKV_KERNEL_NO_MEMORY;
+    }
+#endif
+    (void) x; (void) pt; (void) top; (void) second; (void) arg;
+    return isa;
+}

@@ -1,0 +1,27 @@
+// edgekv's host kernels over numpy arrays (native/kernels.c), wrapped by cffi as
+// edgekv._edgekv_kernels. They need no llama.cpp, so both engines use them.
+#pragma once
+
+#include <stdbool.h>
+#include <stdint.h>
+
+enum edgekv_kernel_status {
+    EDGEKV_KERNEL_UNSUPPORTED = -1,  // no AVX-512 (or EDGEKV_CPU=avx2): use the numpy path
+    EDGEKV_KERNEL_BAD_ARGS    = -2,
+    EDGEKV_KERNEL_NO_MEMORY   = -3,
+    EDGEKV_KERNEL_AVX512      = 2,
+};
+
+// The instruction set a kernel call runs now: EDGEKV_KERNEL_AVX512, or
+// EDGEKV_KERNEL_UNSUPPORTED without AVX-512 or under EDGEKV_CPU=avx2.
+int32_t edgekv_kernel_isa(void);
+
+// For each row i of x [n, d] (float32, row-major): arg[i], the first of the c prototypes
+// with the largest float32 product x_i . p_j, top[i] that product, and second[i] the
+// largest product of the other prototypes (top[i] again on a tie). The prototypes come
+// transposed and padded: pt [d, cp], row k holding channel k of prototypes 0..c-1, cp a
+// multiple of 32 (the columns past c are never read as prototypes). The products are
+// summed in any order, with FMAs: the caller bounds their rounding. No NaN may occur in
+// x or pt (the caller checks). Returns the edgekv_kernel_status it ran with (> 0), or < 0.
+int32_t edgekv_best_two(const float * x, int64_t n, int64_t d, const float * pt, int64_t c, int64_t cp,
+                        float * top, float * second, int32_t * arg);
