@@ -52,3 +52,27 @@ def best_two(x: np.ndarray, protos: np.ndarray) -> tuple[np.ndarray, np.ndarray,
     if got < 0:
         raise MemoryError(f"edgekv_best_two failed ({got}) for {n} rows and {c} prototypes")
     return top, second, arg
+
+
+def irregularity(x: np.ndarray, bounds: np.ndarray) -> np.ndarray | None:
+    """float64 [n]: ProtoKV's irregularity of each row of the float32 ``x`` [n, d] in its
+    chunk (``methods.protokv.irregularity``, the same floats: numpy's sums in numpy's
+    order). None where the kernel cannot run: not built, no AVX-512, or a head size that
+    numpy sums in more than one block (d < 8 or d > 128)."""
+    m = _module()
+    if m is None or m.lib.edgekv_kernel_isa() == _UNSUPPORTED:
+        return None
+    if x.dtype != np.float32 or x.ndim != 2:
+        raise ValueError(f"irregularity takes float32 [n, d], got {x.dtype} {x.shape}")
+    x = np.ascontiguousarray(x)
+    bounds = np.ascontiguousarray(bounds, np.int64)
+    n, d = x.shape
+    delta = np.empty(n, np.float64)
+    ffi = m.ffi
+    got = m.lib.edgekv_irregularity(ffi.from_buffer("float[]", x), n, d, ffi.from_buffer("int64_t[]", bounds),
+                                    bounds.size - 1, ffi.from_buffer("double[]", delta))
+    if got == _UNSUPPORTED:
+        return None
+    if got < 0:
+        raise ValueError(f"edgekv_irregularity refused {n} rows in chunks {bounds.tolist()[:4]}... ({got})")
+    return delta

@@ -86,10 +86,13 @@ KERNELS_CDEF = """
 int32_t edgekv_kernel_isa(void);
 int32_t edgekv_best_two(const float * x, int64_t n, int64_t d, const float * pt, int64_t c, int64_t cp,
                         float * top, float * second, int32_t * arg);
+int32_t edgekv_irregularity(const float * x, int64_t n, int64_t d, const int64_t * bounds, int64_t n_chunks,
+                            double * delta);
 """
 
 
-def _compile(module: str, cdef: str, source: str, libraries: list[str], sources: list[str] = ()) -> Path:
+def _compile(module: str, cdef: str, source: str, libraries: list[str], sources: list[str] = (),
+             flags: list[str] = ()) -> Path:
     site = site_packages()
     include = site / "include"
     libdir = site / "llama_cpp" / "lib"
@@ -102,6 +105,7 @@ def _compile(module: str, cdef: str, source: str, libraries: list[str], sources:
         include_dirs=[str(include), str(ROOT / "native")],
         library_dirs=[str(libdir)],
         libraries=libraries,
+        extra_compile_args=list(flags),
         extra_link_args=[f"-Wl,-rpath,{libdir}"],
     )
     so = Path(ffi.compile(tmpdir=str(ROOT / "build" / "native"), verbose=False))
@@ -123,7 +127,9 @@ def build_capture() -> Path:
 
 def build_kernels() -> Path:
     """``native/kernels.c``: host kernels over numpy arrays; no llama.cpp, any engine."""
-    return _compile("_edgekv_kernels", KERNELS_CDEF, '#include "kernels.h"\n', [], [ROOT / "native" / "kernels.c"])
+    # no FMA contraction: the kernels that reproduce numpy's floats round each product
+    return _compile("_edgekv_kernels", KERNELS_CDEF, '#include "kernels.h"\n', [], [ROOT / "native" / "kernels.c"],
+                    ["-ffp-contract=off"])
 
 
 def build() -> Path:

@@ -149,6 +149,81 @@ __attribute__((target("avx512f"))) static bool edgekv_best_two_avx512(const floa
     return true;
 }
 
+
+// numpy's pairwise sum of the n float64 numbers at p, for 8 <= n <= 128 (one of numpy's
+// blocks): eight interleaved partial sums (lane j of one vector adds p[j], p[j + 8], ...),
+// then ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7)), then the rest in order.
+__attribute__((target("avx512f"))) static inline double edgekv_np_block_sum(const double * p, int n) {
+    __m512d r = _mm512_loadu_pd(p);
+    int m = 8;
+    for (; m + 8 <= n; m += 8) {
+        r = _mm512_add_pd(r, _mm512_loadu_pd(p + m));
+    }
+    double l[8];
+    _mm512_storeu_pd(l, r);
+    double s = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+    for (; m < n; m++) {
+        s += p[m];
+    }
+    return s;
+}
+
+__attribute__((target("avx512f"))) static void edgekv_irregularity_avx512(const float * x, int64_t d,
+                                                                           const int64_t * bounds, int64_t n_chunks,
+                                                                           double * mu, double * acc, double * delta) {
+    for (int64_t i = 0; i < n_chunks; i++) {
+        const int64_t lo = bounds[i], hi = bounds[i + 1];
+        const double size = (double) (hi - lo);
+        for (int64_t k = 0; k < d; k++) {  // the chunk's sum, row by row from +0.0 (numpy's sum(axis=0))
+            acc[k] = 0.0;
+        }
+        for (int64_t t = lo; t < hi; t++) {
+            for (int64_t k = 0; k < d; k++) {
+                acc[k] += (double) x[t * d + k];
+            }
+        }
+        for (int64_t k = 0; k < d; k++) {
+            mu[k] = acc[k] / size;
+        }
+        for (int64_t t = lo; t < hi; t++) {  // the squared deviations, summed row by row
+            for (int64_t k = 0; k < d; k++) {
+                const double e = (double) x[t * d + k] - mu[k];
+                acc[k] = t == lo ? e * e : acc[k] + e * e;
+            }
+        }
+        const double spread = sqrt(edgekv_np_block_sum(acc, (int) d) / size);  // ||sigma||
+        for (int64_t k = 0; k < d; k++) {  // acc is free again: mu's squares
+            acc[k] = mu[k] * mu[k];
+        }
+        const double mu_norm = sqrt(edgekv_np_block_sum(acc, (int) d));
+        for (int64_t t = lo; t < hi; t++) {  // the row's squared norm and its product with mu, side by side
+            const float * row = x + t * d;
+            __m512d v = _mm512_cvtps_pd(_mm256_loadu_ps(row));
+            const __m512d m0 = _mm512_loadu_pd(mu);
+            __m512d sq = _mm512_mul_pd(v, v);
+            __m512d dot = _mm512_mul_pd(v, m0);
+            int64_t k = 8;
+            for (; k + 8 <= d; k += 8) {
+                v = _mm512_cvtps_pd(_mm256_loadu_ps(row + k));
+                sq = _mm512_add_pd(sq, _mm512_mul_pd(v, v));
+                dot = _mm512_add_pd(dot, _mm512_mul_pd(v, _mm512_loadu_pd(mu + k)));
+            }
+            double a[8], b[8];
+            _mm512_storeu_pd(a, sq);
+            _mm512_storeu_pd(b, dot);
+            double ssq = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+            double sdot = ((b[0] + b[1]) + (b[2] + b[3])) + ((b[4] + b[5]) + (b[6] + b[7]));
+            for (; k < d; k++) {
+                ssq += (double) row[k] * (double) row[k];
+                sdot += (double) row[k] * mu[k];
+            }
+            const double den = sqrt(ssq) * mu_norm;
+            const double cos = den > 0 ? sdot / den : 0.0;
+            delta[t] = spread > 0 ? (1.0 - cos) / spread : 0.0;
+        }
+    }
+}
+
 #endif  // EDGEKV_X86
 
 int32_t edgekv_kernel_isa(void) {
@@ -175,5 +250,34 @@ int32_t edgekv_best_two(const float * x, int64_t n, int64_t d, const float * pt,
     }
 #endif
     (void) x; (void) pt; (void) top; (void) second; (void) arg;
+    return isa;
+}
+
+int32_t edgekv_irregularity(const float * x, int64_t n, int64_t d, const int64_t * bounds, int64_t n_chunks,
+                            double * delta) {
+    if (n < 0 || d < 1 || n_chunks < 1 || bounds[0] != 0 || bounds[n_chunks] != n) {
+        return EDGEKV_KERNEL_BAD_ARGS;
+    }
+    for (int64_t i = 0; i < n_chunks; i++) {
+        if (bounds[i + 1] <= bounds[i]) {
+            return EDGEKV_KERNEL_BAD_ARGS;
+        }
+    }
+    const int32_t isa = edgekv_kernel_isa();
+    if (d < 8 || d > 128) {  // numpy sums other lengths in other orders: the numba pass serves
+        return EDGEKV_KERNEL_UNSUPPORTED;
+    }
+#ifdef EDGEKV_X86
+    if (isa == EDGEKV_KERNEL_AVX512) {
+        double * buf = malloc(sizeof(double) * 2 * d);
+        if (buf == NULL) {
+            return EDGEKV_KERNEL_NO_MEMORY;
+        }
+        edgekv_irregularity_avx512(x, d, bounds, n_chunks, buf, buf + d, delta);
+        free(buf);
+        return isa;
+    }
+#endif
+    (void) x; (void) delta;
     return isa;
 }

@@ -25,3 +25,13 @@ int32_t edgekv_kernel_isa(void);
 // x or pt (the caller checks). Returns the edgekv_kernel_status it ran with (> 0), or < 0.
 int32_t edgekv_best_two(const float * x, int64_t n, int64_t d, const float * pt, int64_t c, int64_t cp,
                         float * top, float * second, int32_t * arg);
+
+// ProtoKV's irregularity of each row of x [n, d] (float32) in its chunk (bounds[i] to
+// bounds[i + 1], n_chunks chunks covering 0..n): (1 - cos(row, chunk mean)) / ||chunk std||,
+// 0 where a norm or the spread is 0, into delta [n], float64. Every number is the one
+// numpy computes (edgekv/methods/protokv.py, irregularity): sums in numpy's order,
+// products rounded before they are added. Only for 8 <= d <= 128 (one numpy block);
+// EDGEKV_KERNEL_UNSUPPORTED for other d.
+int32_t edgekv_irregularity(const float * x, int64_t n, int64_t d, const int64_t * bounds, int64_t n_chunks,
+                            double * delta);
+

@@ -108,11 +108,13 @@ def numpy_irregularity(x: np.ndarray, bounds: np.ndarray) -> np.ndarray:
     return np.divide(1.0 - cos, sp, out=np.zeros(x.shape[0]), where=sp > 0)
 
 
-@pytest.mark.parametrize(("n", "chunk", "d"), [(37, 8, 5), (160, 16, 16), (1000, 16, 64), (700, 7, 200), (9, 16, 128)])
+@pytest.mark.parametrize(("n", "chunk", "d"), [(37, 8, 5), (160, 16, 16), (1000, 16, 64), (700, 7, 200), (9, 16, 128),
+                                               (300, 16, 12), (50, 3, 8), (64, 64, 100)])
 def test_the_compiled_passes_are_numpys_floats(n: int, chunk: int, d: int) -> None:
     """The irregularity and the regular prototypes come from compiled passes; a float that
     moved in its last bit could move a key in or out of the irregular set, so both must be
-    numpy's floats, bit for bit (keys spread over 2^-10 to 2^10, one all-zero chunk)."""
+    numpy's floats, bit for bit (keys spread over 2^-10 to 2^10, one all-zero chunk). Float32
+    keys with 8 <= d <= 128 take the C kernel on an AVX-512 CPU, the others numba's pass."""
     rng = np.random.default_rng(n + d)
     x = rng.standard_normal((n, d)) * np.exp2(rng.uniform(-10, 10, (n, 1)))
     bounds = chunk_bounds(n, chunk)
@@ -514,17 +516,31 @@ def test_assignment_is_float64s_argmax_even_on_near_ties() -> None:
     assert np.array_equal(assign(on_edge, base), np.argmax(on_edge @ base.T, axis=1))
 
 
-def test_the_fused_kernel_runs_exactly_where_the_cpu_has_avx512(monkeypatch) -> None:
-    """``kernels.best_two`` runs on an AVX-512 CPU (the module is built by setup) and
-    declines elsewhere and under EDGEKV_CPU=avx2, where ProtoKV keeps numpy's BLAS."""
-    from edgekv import kernels
+def avx512_kernels() -> bool:
+    """Whether edgekv's host kernels run here: an AVX-512 CPU, not told to act as an AVX2 one."""
+    import os
+
     from edgekv.llama import cpu_flag
+
+    return cpu_flag("avx512f") and os.environ.get("EDGEKV_CPU", "") != "avx2"
+
+
+def test_the_fused_kernel_runs_exactly_where_the_cpu_has_avx512(monkeypatch) -> None:
+    """``kernels.best_two`` and ``kernels.irregularity`` run on an AVX-512 CPU (the module is
+    built by setup) and decline elsewhere and under EDGEKV_CPU=avx2, where ProtoKV keeps
+    numpy's BLAS and numba's pass."""
+    from edgekv import kernels
 
     x = np.ones((3, 8), np.float32)
     p = np.eye(2, 8, dtype=np.float32)
-    assert (kernels.best_two(x, p) is not None) == cpu_flag("avx512f")
+    bounds = np.array([0, 3])
+    assert (kernels.best_two(x, p) is not None) == avx512_kernels()
+    assert (kernels.irregularity(x, bounds) is not None) == avx512_kernels()
+    assert kernels.irregularity(np.ones((3, 4), np.float32), bounds) is None  # numpy sums d < 8 otherwise
+    assert kernels.irregularity(np.ones((3, 136), np.float32), bounds) is None  # and d > 128 in two blocks
     monkeypatch.setenv("EDGEKV_CPU", "avx2")
     assert kernels.best_two(x, p) is None
+    assert kernels.irregularity(x, bounds) is None
 
 
 @pytest.mark.parametrize(("n", "c", "d"), [(1, 2, 64), (13, 31, 64), (500, 32, 64), (2049, 517, 64),
@@ -534,9 +550,8 @@ def test_the_fused_kernels_best_two_are_the_float32_products(n: int, c: int, d: 
     float64 products, with every padded column of the kernel's last tile left out (c not a
     multiple of 32, tiles of 12 keys cut short), and the earlier of two equal prototypes."""
     from edgekv import kernels
-    from edgekv.llama import cpu_flag
 
-    if not cpu_flag("avx512f"):
+    if not avx512_kernels():
         pytest.skip("no AVX-512: ProtoKV's assignment runs numpy's BLAS, tested above")
     rng = np.random.default_rng(n + c + d)
     x = (rng.standard_normal((n, d)) * rng.uniform(0.1, 30, (n, 1))).astype(np.float32)

@@ -52,7 +52,9 @@ def irregularity(x: np.ndarray, bounds: np.ndarray) -> np.ndarray:
     is the kind the positional chunks cannot explain. Guards: a zero key or mean
     has cosine 0; a chunk without spread has no irregular keys (0). Computed in float64
     (float32 keys are read as they are: widening them first gives the same floats)."""
-    return _irregularity(_rows(x), np.asarray(bounds, np.int64))
+    x, bounds = _rows(x), np.asarray(bounds, np.int64)
+    fused = kernels.irregularity(x, bounds) if x.dtype == np.float32 and x.shape[0] else None
+    return fused if fused is not None else _irregularity(x, bounds)
 
 
 def _rows(x: np.ndarray) -> np.ndarray:
