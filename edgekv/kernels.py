@@ -21,6 +21,12 @@ def _module():
     return m
 
 
+def _runnable():
+    """The built module where its kernels can run now (AVX-512, not EDGEKV_CPU=avx2), else None."""
+    m = _module()
+    return None if m is None or m.lib.edgekv_kernel_isa() == _UNSUPPORTED else m
+
+
 def best_two(x: np.ndarray, protos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """(top, second, arg) per row of ``x`` [n, d] against the rows of ``protos`` [c, d],
     both float32: ``arg`` the first prototype of largest float32 product, ``top`` that
@@ -30,8 +36,8 @@ def best_two(x: np.ndarray, protos: np.ndarray) -> tuple[np.ndarray, np.ndarray,
     None where the kernel cannot run (not built, no AVX-512, ``EDGEKV_CPU=avx2``). A row
     with a NaN or an infinity gets a top or second that is not finite, never a finite
     wrong answer; ``protos`` must be finite (the caller checks)."""
-    m = _module()
-    if m is None or m.lib.edgekv_kernel_isa() == _UNSUPPORTED:
+    m = _runnable()
+    if m is None:
         return None
     if x.dtype != np.float32 or protos.dtype != np.float32 or x.ndim != 2 or protos.shape[1:] != x.shape[1:]:
         raise ValueError(f"best_two takes float32 [n, d] and [c, d], got {x.dtype} {x.shape}, "
@@ -59,8 +65,8 @@ def irregularity(x: np.ndarray, bounds: np.ndarray) -> np.ndarray | None:
     chunk (``methods.protokv.irregularity``, the same floats: numpy's sums in numpy's
     order). None where the kernel cannot run: not built, no AVX-512, or a head size that
     numpy sums in more than one block (d < 8 or d > 128)."""
-    m = _module()
-    if m is None or m.lib.edgekv_kernel_isa() == _UNSUPPORTED:
+    m = _runnable()
+    if m is None:
         return None
     if x.dtype != np.float32 or x.ndim != 2:
         raise ValueError(f"irregularity takes float32 [n, d], got {x.dtype} {x.shape}")

@@ -146,7 +146,7 @@ def build() -> Path:
 
 if __name__ == "__main__":
     failed = False
-    for what, fn, fallback in (("host kernels", build_kernels, "ProtoKV's assignment uses numpy's BLAS"),
+    for what, fn, fallback in (("host kernels", build_kernels, "ProtoKV runs its numpy and numba paths"),
                                ("tensor capture", build_capture, "attention-level capture is unavailable"),
                                ("native ops", build, "edgekv will use the portable state engine")):
         try:

@@ -21,8 +21,9 @@ int32_t edgekv_kernel_isa(void);
 // largest product of the other prototypes (top[i] again on a tie). The prototypes come
 // transposed and padded: pt [d, cp], row k holding channel k of prototypes 0..c-1, cp a
 // multiple of 32 (the columns past c are never read as prototypes). The products are
-// summed in any order, with FMAs: the caller bounds their rounding. No NaN may occur in
-// x or pt (the caller checks). Returns the edgekv_kernel_status it ran with (> 0), or < 0.
+// summed in any order, with FMAs: the caller bounds their rounding. pt must be finite
+// (the caller checks); a row of x with a NaN or an infinity gets a top that is not finite,
+// never a finite wrong answer. Returns the edgekv_kernel_status it ran with (> 0), or < 0.
 int32_t edgekv_best_two(const float * x, int64_t n, int64_t d, const float * pt, int64_t c, int64_t cp,
                         float * top, float * second, int32_t * arg);
 

@@ -217,10 +217,11 @@ def assign(x: np.ndarray, protos: np.ndarray) -> np.ndarray:
 
     This is ProtoKV's largest cost (keys x prototypes, quadratic in the cache). With
     AVX-512 the products and the best two run in one compiled pass (``kernels.best_two``),
-    else as BLAS products and a compiled pass over them. The products run in float32 (float32 keys as they are), at twice float64's speed, and
-    every row whose best two float32 scores lie within their rounding bound of each
-    other is decided again in float64, so the answer is float64's ``argmax(x @ protos.T)`` (a NaN product wins,
-    the first one, as numpy's argmax has it). The bound holds for any order of the
+    else as BLAS products and a compiled pass over them. The products run in float32
+    (float32 keys as they are), at twice float64's speed, and every row whose best two
+    float32 scores lie within their rounding bound of each other, or whose best is not
+    finite, is decided again in float64. So the answer is float64's
+    ``argmax(x @ protos.T)`` (a NaN product wins, the first one, as numpy's argmax has it). The bound holds for any order of the
     float32 sums, so the BLAS may block them as it likes. (Only a key within float64's
     rounding of two prototypes depends on the order its products are summed in, as it
     already did from one BLAS build to another.)"""
@@ -236,14 +237,7 @@ def assign(x: np.ndarray, protos: np.ndarray) -> np.ndarray:
     fused = kernels.best_two(x32, p32) if np.isfinite(p32).all() else None
     if fused is not None:  # the products and the best two in one compiled pass (AVX-512)
         top, second, arg = fused
-        best = arg.astype(np.int64)
-        # a row with a NaN or an infinity has no finite bound, one whose products overflow no
-        # finite top: numpy decides both
-        with np.errstate(invalid="ignore"):
-            unsure = np.flatnonzero(~((top.astype(np.float64) - second > bound) & np.isfinite(top)))
-        if unsure.size:
-            best[unsure] = np.argmax(x[unsure].astype(np.float64) @ protos.T, axis=1)
-        return best
+        return _settle(x, protos, arg.astype(np.int64), top, second, bound)
     best = np.empty(n, np.int64)
     top = np.empty(_ASSIGN_ROWS, np.float32)
     second = np.empty(_ASSIGN_ROWS, np.float32)
@@ -252,13 +246,20 @@ def assign(x: np.ndarray, protos: np.ndarray) -> np.ndarray:
         s = p32 @ x32[lo : lo + _ASSIGN_ROWS].T  # [c, r]: the pass runs along contiguous keys
         r = s.shape[1]
         _best_two(s, top, second, arg)
-        b = arg[:r].astype(np.int64)
-        with np.errstate(invalid="ignore"):  # as above: rows without finite products go to float64
-            unsure = np.flatnonzero(~((top[:r].astype(np.float64) - second[:r] > bound[lo : lo + r])
-                                      & np.isfinite(top[:r])))
-        if unsure.size:
-            b[unsure] = np.argmax(x[lo + unsure].astype(np.float64) @ protos.T, axis=1)
-        best[lo : lo + r] = b
+        best[lo : lo + r] = _settle(x[lo : lo + r], protos, arg[:r].astype(np.int64), top[:r], second[:r],
+                                    bound[lo : lo + r])
+    return best
+
+
+def _settle(x: np.ndarray, protos: np.ndarray, best: np.ndarray, top: np.ndarray, second: np.ndarray,
+            bound: np.ndarray) -> np.ndarray:
+    """``best`` with every row float32 cannot decide taken from float64's products: its best
+    two within ``bound`` of each other, or its top not finite (a NaN or an infinity in the
+    key gives no finite bound, products that overflow no finite top)."""
+    with np.errstate(invalid="ignore"):
+        unsure = np.flatnonzero(~((top.astype(np.float64) - second > bound) & np.isfinite(top)))
+    if unsure.size:
+        best[unsure] = np.argmax(x[unsure].astype(np.float64) @ protos.T, axis=1)
     return best
 
 
