@@ -84,8 +84,9 @@ int32_t edgekv_capture_status(const struct edgekv_capture * c);
 
 KERNELS_CDEF = """
 int32_t edgekv_kernel_isa(void);
-int32_t edgekv_best_two(const float * x, int64_t n, int64_t d, const float * pt, int64_t c, int64_t cp,
-                        float * top, float * second, int32_t * arg);
+int32_t edgekv_best_two(const float * x, int64_t n, int64_t d, const float * pt, int64_t c, int64_t cp, int64_t r,
+                        const float * xa, const float * pat, const float * rest_x, const float * rest_p,
+                        const float * slack, float * top, float * second, int32_t * arg);
 int32_t edgekv_irregularity(const float * x, int64_t n, int64_t d, const int64_t * bounds, int64_t n_chunks,
                             double * delta);
 """

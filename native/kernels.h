@@ -24,8 +24,19 @@ int32_t edgekv_kernel_isa(void);
 // summed in any order, with FMAs: the caller bounds their rounding. pt must be finite
 // (the caller checks); a row of x with a NaN or an infinity gets a top that is not finite,
 // never a finite wrong answer. Returns the edgekv_kernel_status it ran with (> 0), or < 0.
-int32_t edgekv_best_two(const float * x, int64_t n, int64_t d, const float * pt, int64_t c, int64_t cp,
-                        float * top, float * second, int32_t * arg);
+//
+// With r < d, pairs are skipped: for each pair the first r channels are summed, and a
+// prototype whose partial product plus rest_x[i] * rest_p[j] (bounds on the norms of
+// channels r..d-1 of x_i and p_j; rest_p [cp], zeros past c) is below the row's best
+// product so far less slack[i] is left out of top, second and arg. The caller makes slack
+// cover the rounding of both sides, so a prototype left out is below the row's best
+// in exact arithmetic: top and arg stand, and second still bounds every other prototype
+// that could be the best. Keys rotated into their principal axes put most of a product
+// in the first channels (ProtoKV's keys at 8k cells: r = 16 of 64 leaves about 12 % of
+// the pairs to finish). With r = d nothing is skipped and the rest arrays may be NULL.
+int32_t edgekv_best_two(const float * x, int64_t n, int64_t d, const float * pt, int64_t c, int64_t cp, int64_t r,
+                        const float * xa, const float * pat, const float * rest_x, const float * rest_p,
+                        const float * slack, float * top, float * second, int32_t * arg);
 
 // ProtoKV's irregularity of each row of x [n, d] (float32) in its chunk (bounds[i] to
 // bounds[i + 1], n_chunks chunks covering 0..n): (1 - cos(row, chunk mean)) / ||chunk std||,

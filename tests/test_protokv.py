@@ -591,3 +591,83 @@ def test_assignment_is_the_same_with_and_without_the_fused_kernel(monkeypatch) -
     assert np.array_equal(assign(y, protos), odd)
     with np.errstate(invalid="ignore", over="ignore"):
         assert np.array_equal(odd, np.argmax(y.astype(np.float64) @ protos.T, axis=1))
+
+
+def cache_like_keys(n: int, d: int, rank: int, rng: np.random.Generator, noise: float = 0.05) -> np.ndarray:
+    """float32 [n, d]: keys as a model's heads make them, close to ``rank`` directions
+    (``noise`` off them), in runs of 16 that share a direction, at varied norms."""
+    basis = rng.standard_normal((rank, d)) * np.geomspace(8, 1, rank)[:, None]
+    runs = np.repeat(rng.standard_normal((-(-n // 16), rank)), 16, axis=0)[:n]
+    x = (runs + 0.3 * rng.standard_normal((n, rank))) @ basis + noise * rng.standard_normal((n, d))
+    return (x * rng.uniform(0.5, 3, (n, 1))).astype(np.float32)
+
+
+def chunk_prototypes(x: np.ndarray, extra: np.ndarray) -> np.ndarray:
+    """ProtoKV's kind of prototypes for ``x``: unit sums of its chunks of 16, then ``extra``."""
+    sums = np.add.reduceat(x.astype(np.float64), np.arange(0, x.shape[0], 16), axis=0)
+    protos = np.concatenate([sums, extra])
+    return protos / np.linalg.norm(protos, axis=1, keepdims=True)
+
+
+def test_principal_axes_are_orthonormal_and_span_the_largest_axes() -> None:
+    from edgekv.methods.protokv import principal_axes
+
+    rng = np.random.default_rng(3)
+    q, _ = np.linalg.qr(rng.standard_normal((64, 64)))
+    moments = (q * np.concatenate([np.geomspace(1e4, 1e2, 16), np.geomspace(1, 1e-2, 48)])) @ q.T
+    axes = principal_axes(moments, 16)
+    assert axes.shape == (64, 16)
+    assert np.abs(axes.T @ axes - np.eye(16)).max() < 1e-13
+    # the span of the 16 largest axes (a hundredfold gap to the others): nothing is left out
+    top = q[:, :16]
+    assert np.linalg.norm(top - axes @ (axes.T @ top)) < 1e-3
+    assert principal_axes(np.full((8, 8), np.nan), 2) is None
+
+
+@pytest.mark.parametrize(("n", "d", "rank", "noise"), [(4100, 64, 6, 0.05), (2000, 64, 12, 0.3),
+                                                        (1500, 128, 10, 0.05), (1200, 64, 64, 1.0),
+                                                        (999, 32, 3, 0.0)])
+def test_the_screened_assignment_is_float64s_argmax(n: int, d: int, rank: int, noise: float) -> None:
+    """With AVX-512, keys against many prototypes skip most pairs on a screen in their
+    principal axes; the clusters stay float64's argmax, row for row: cache-like keys of few
+    or many directions (isotropic ones turn the screen off midway), exact ties between
+    twin prototypes, and prototypes that differ only outside the keys' span, which the
+    screen cannot tell apart (their products tie in exact arithmetic)."""
+    rng = np.random.default_rng(n + d + rank)
+    x = cache_like_keys(n, d, rank, rng, noise)
+    extra = rng.standard_normal((8, d))
+    protos = chunk_prototypes(x, extra)
+    protos[len(protos) // 3] = protos[len(protos) // 3 + 1]  # twins: an exact tie
+    if noise == 0.0:  # keys in a span of 3 directions: tilt two prototypes off it alike
+        span, _ = np.linalg.qr(x[:64].astype(np.float64).T)
+        off = rng.standard_normal(d)
+        off -= span[:, :rank] @ (span[:, :rank].T @ off)
+        for j in (5, 40):
+            protos[j] = protos[5] + 0.5 * (1 if j == 5 else -1) * off / np.linalg.norm(off)
+        protos /= np.linalg.norm(protos, axis=1, keepdims=True)
+    want = np.argmax(x.astype(np.float64) @ protos.T, axis=1)
+    assert np.array_equal(assign(x, protos), want)
+
+
+def test_the_screen_keeps_the_kernels_answer(monkeypatch) -> None:
+    """The screened kernel gives the unscreened one's best prototype and product for every
+    key it can decide, on keys from a real model's shape (8k cells, 517 prototypes)."""
+    from edgekv import kernels
+    from edgekv.methods import protokv
+
+    if not avx512_kernels():
+        pytest.skip("no AVX-512: ProtoKV's assignment runs numpy's BLAS, tested above")
+    rng = np.random.default_rng(8)
+    x = cache_like_keys(8160, 64, 8, rng)
+    p32 = chunk_prototypes(x, rng.standard_normal((8, 64))).astype(np.float32)
+    norms = np.sqrt(np.einsum("nd,nd->n", x, x))
+    screens = []
+    real = kernels.best_two
+    monkeypatch.setattr(kernels, "best_two", lambda *a, **k: screens.append(k.get("screen")) or real(*a, **k))
+    top, second, arg = protokv._pruned_best_two(x, p32, norms)
+    assert screens and screens[0] is not None and screens[0].xa.shape == (8160, 16)
+    top0, second0, arg0 = real(x, p32)
+    sure = top0.astype(np.float64) - second0 > 2 * 70 * 2.0**-24 * norms
+    assert sure.mean() > 0.99
+    assert np.array_equal(arg[sure], arg0[sure])
+    assert np.all(np.abs(top - top0) <= 2 * 70 * 2.0**-24 * norms)
