@@ -25,15 +25,16 @@ int32_t edgekv_kernel_isa(void);
 // (the caller checks); a row of x with a NaN or an infinity gets a top that is not finite,
 // never a finite wrong answer. Returns the edgekv_kernel_status it ran with (> 0), or < 0.
 //
-// With r < d, pairs are skipped: for each pair the first r channels are summed, and a
-// prototype whose partial product plus rest_x[i] * rest_p[j] (bounds on the norms of
-// channels r..d-1 of x_i and p_j; rest_p [cp], zeros past c) is below the row's best
-// product so far less slack[i] is left out of top, second and arg. The caller makes slack
-// cover the rounding of both sides, so a prototype left out is below the row's best
-// in exact arithmetic: top and arg stand, and second still bounds every other prototype
-// that could be the best. Keys rotated into their principal axes put most of a product
-// in the first channels (ProtoKV's keys at 8k cells: r = 16 of 64 leaves about 12 % of
-// the pairs to finish). With r = d nothing is skipped and the rest arrays may be NULL.
+// With r > 0, pairs are skipped on a screen: xa [n, r] and pat [r, cp] (transposed, zeros
+// past c) hold the rows and the prototypes in r orthonormal axes, rest_x [n] and rest_p [cp]
+// bounds on the norms of their parts outside those axes, slack [n] the rounding. A
+// prototype whose screened product plus rest_x[i] * rest_p[j] is below row i's best full
+// product so far less slack[i] is left out of top, second and arg. When slack covers the
+// rounding of a screened and of a full product, a prototype left out is below the row's
+// best in exact arithmetic: top and arg stand, and second still bounds every prototype
+// that could be the best. Keys in their principal axes carry most of a product in the
+// first channels (ProtoKV's keys at 8k cells: r = 16 of 64 leaves about a tenth of the
+// pairs to compute). With r = 0 nothing is skipped and the screen's arrays may be NULL.
 int32_t edgekv_best_two(const float * x, int64_t n, int64_t d, const float * pt, int64_t c, int64_t cp, int64_t r,
                         const float * xa, const float * pat, const float * rest_x, const float * rest_p,
                         const float * slack, float * top, float * second, int32_t * arg);
