@@ -78,7 +78,7 @@ def best_two(x: np.ndarray, protos: np.ndarray, *, screen: Screen | None = None,
                              f"{screen.xa.shape}, {screen.pa.shape}")
         rest_p = np.zeros(cp, np.float32)
         rest_p[:c] = screen.rest_p
-        kept = [np.ascontiguousarray(screen.xa, np.float32), _padded_columns(screen.pa.astype(np.float32), cp),
+        kept = [np.ascontiguousarray(screen.xa, np.float32), _padded_columns(screen.pa, cp),
                 np.ascontiguousarray(screen.rest_x, np.float32), rest_p,
                 np.ascontiguousarray(screen.slack, np.float32)]
         skip = [ffi.from_buffer("float[]", a) for a in kept]

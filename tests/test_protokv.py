@@ -630,7 +630,7 @@ def test_principal_axes_are_orthonormal_and_span_the_largest_axes() -> None:
 def test_the_screened_assignment_is_float64s_argmax(n: int, d: int, rank: int, noise: float) -> None:
     """With AVX-512, keys against many prototypes skip most pairs on a screen in their
     principal axes; the clusters stay float64's argmax, row for row: cache-like keys of few
-    or many directions (isotropic ones turn the screen off midway), exact ties between
+    or many directions (isotropic ones, where few pairs can be skipped), exact ties between
     twin prototypes, and prototypes that differ only outside the keys' span, which the
     screen cannot tell apart (their products tie in exact arithmetic)."""
     rng = np.random.default_rng(n + d + rank)

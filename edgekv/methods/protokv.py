@@ -217,7 +217,8 @@ def assign(x: np.ndarray, protos: np.ndarray) -> np.ndarray:
 
     This is ProtoKV's largest cost (keys x prototypes, quadratic in the cache). With
     AVX-512 the products and the best two run in one compiled pass (``kernels.best_two``),
-    else as BLAS products and a compiled pass over them. The products run in float32
+    most pairs skipped on a screen (``_pruned_best_two``), else as BLAS products and a
+    compiled pass over them. The products run in float32
     (float32 keys as they are), at twice float64's speed, and every row whose best two
     float32 scores lie within their rounding bound of each other, or whose best is not
     finite, is decided again in float64. So the answer is float64's
@@ -255,7 +256,7 @@ def assign(x: np.ndarray, protos: np.ndarray) -> np.ndarray:
     return best
 
 
-_PRUNE_MIN_PROTOS = 64  # below this, skipping pairs saves less than the rotation costs
+_PRUNE_MIN_PROTOS = 64  # fewer prototypes (short caches, tests) take the plain kernel: a cutoff, not a measured break-even
 _PRUNE_SAMPLE = 1024  # keys whose second moments give the principal axes
 
 
