@@ -14,17 +14,16 @@ _UNSUPPORTED = -1
 
 
 @dataclass(frozen=True)
-class Screen:
-    """What lets ``best_two`` skip pairs: the first r channels of the rows and of the
-    prototypes in some orthonormal axes (``xa`` [n, r], ``pa`` [c, r]), bounds on the
-    norms of their other channels (``rest_x`` [n], ``rest_p`` [c]) and, per row, a
-    ``slack`` that covers the rounding of a screened product and of a full one."""
+class BestTwo:
+    """``best_two``'s answer per row: ``top`` the largest product, ``arg`` its first
+    prototype, ``second`` the largest product of the others; with a screen, how many
+    16-prototype halves it screened and how many of them ``passed`` (were computed)."""
 
-    xa: np.ndarray
-    pa: np.ndarray
-    rest_x: np.ndarray
-    rest_p: np.ndarray
-    slack: np.ndarray
+    top: np.ndarray
+    second: np.ndarray
+    arg: np.ndarray
+    screened: int = 0
+    passed: int = 0
 
 
 @cache
@@ -37,26 +36,25 @@ def _module():
 
 
 def _runnable():
-    """The built module where its kernels can run now (AVX-512, not EDGEKV_CPU=avx2), else None."""
+    """The built module where its kernels can run now (AVX-512 with VNNI, not EDGEKV_CPU=avx2), else None."""
     m = _module()
     return None if m is None or m.lib.edgekv_kernel_isa() == _UNSUPPORTED else m
 
 
-def best_two(x: np.ndarray, protos: np.ndarray, *, screen: Screen | None = None,
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """(top, second, arg) per row of ``x`` [n, d] against the rows of ``protos`` [c, d],
-    both float32: ``arg`` the first prototype of largest float32 product, ``top`` that
-    product, ``second`` the largest product of the others (``top`` again on a tie).
+def best_two(x: np.ndarray, protos: np.ndarray, *, axes: np.ndarray | None = None) -> BestTwo | None:
+    """Each row of ``x`` [n, d] against the rows of ``protos`` [c, d], both float32:
+    the first prototype of largest float32 product, that product, and the largest product
+    of the others (``top`` again on a tie).
 
-    With a ``screen``, a prototype whose screened product plus ``rest_x[i] * rest_p[j]``
-    falls below row i's best product so far less ``slack[i]`` is skipped: left out of
-    top, second and arg (``native/kernels.h`` says why the answer stands when the slack
-    covers the rounding).
+    With ``axes`` [d, r] (the float32 copy of r orthonormal columns, r a multiple of 4
+    up to 32, d <= 256), prototypes are skipped on a screen: rows and prototypes in those
+    axes, in bytes, give bounds on the products, and a prototype whose bound is below the
+    row's best so far is left out (``native/kernels.h`` says why the answer stands).
 
     The products are summed in any order, so their rounding is the caller's to bound.
-    None where the kernel cannot run (not built, no AVX-512, ``EDGEKV_CPU=avx2``). A row
-    with a NaN or an infinity gets a top or second that is not finite, never a finite
-    wrong answer; ``protos`` must be finite (the caller checks)."""
+    None where the kernel cannot run (not built, no AVX-512 with VNNI, ``EDGEKV_CPU=avx2``).
+    A row with a NaN or an infinity gets a top or second that is not finite, never a
+    finite wrong answer; ``protos`` must be finite (the caller checks)."""
     m = _runnable()
     if m is None:
         return None
@@ -69,28 +67,25 @@ def best_two(x: np.ndarray, protos: np.ndarray, *, screen: Screen | None = None,
     cp = -(-c // 32) * 32  # the kernel's tiles are 32 prototypes wide
     pt = _padded_columns(protos, cp)
     ffi = m.ffi
-    r, skip = 0, [ffi.NULL] * 5
-    if screen is not None:
-        r = screen.xa.shape[1]
-        if screen.xa.shape != (n, r) or screen.pa.shape != (c, r) or screen.rest_x.shape != (n,) \
-                or screen.rest_p.shape != (c,) or screen.slack.shape != (n,):
-            raise ValueError(f"best_two: a screen of {n} rows and {c} prototypes does not fit "
-                             f"{screen.xa.shape}, {screen.pa.shape}")
-        rest_p = np.zeros(cp, np.float32)
-        rest_p[:c] = screen.rest_p
-        kept = [np.ascontiguousarray(screen.xa, np.float32), _padded_columns(screen.pa, cp),
-                np.ascontiguousarray(screen.rest_x, np.float32), rest_p,
-                np.ascontiguousarray(screen.slack, np.float32)]
-        skip = [ffi.from_buffer("float[]", a) for a in kept]
+    screen = ffi.NULL
+    if axes is not None:
+        axes = np.ascontiguousarray(axes, np.float32)
+        r = axes.shape[1] if axes.ndim == 2 else 0
+        if axes.shape != (d, r) or not 4 <= r <= 32 or r % 4 or d > 256:
+            raise ValueError(f"best_two: axes must be [{d}, r], r a multiple of 4 up to 32 (d <= 256), "
+                             f"got {axes.shape}")
+        screen = ffi.new("struct edgekv_screen *", [r, ffi.from_buffer("float[]", axes), 0, 0])
     top, second, arg = np.empty(n, np.float32), np.empty(n, np.float32), np.empty(n, np.int32)
-    got = m.lib.edgekv_best_two(ffi.from_buffer("float[]", x), n, d, ffi.from_buffer("float[]", pt), c, cp, r, *skip,
+    got = m.lib.edgekv_best_two(ffi.from_buffer("float[]", x), n, d, ffi.from_buffer("float[]", pt), c, cp, screen,
                                 ffi.from_buffer("float[]", top), ffi.from_buffer("float[]", second),
                                 ffi.from_buffer("int32_t[]", arg))
     if got == _UNSUPPORTED:
         return None
     if got < 0:
         raise MemoryError(f"edgekv_best_two failed ({got}) for {n} rows and {c} prototypes")
-    return top, second, arg
+    if axes is None:
+        return BestTwo(top, second, arg)
+    return BestTwo(top, second, arg, int(screen.screened), int(screen.passed))
 
 
 def _padded_columns(rows: np.ndarray, cp: int) -> np.ndarray:
@@ -103,7 +98,7 @@ def _padded_columns(rows: np.ndarray, cp: int) -> np.ndarray:
 def irregularity(x: np.ndarray, bounds: np.ndarray) -> np.ndarray | None:
     """float64 [n]: ProtoKV's irregularity of each row of the float32 ``x`` [n, d] in its
     chunk (``methods.protokv.irregularity``, the same floats: numpy's sums in numpy's
-    order). None where the kernel cannot run: not built, no AVX-512, or a head size that
+    order). None where the kernel cannot run: not built, no AVX-512 with VNNI, or a head size that
     numpy sums in more than one block (d < 8 or d > 128)."""
     m = _runnable()
     if m is None:

@@ -82,14 +82,11 @@ int32_t edgekv_capture_status(const struct edgekv_capture * c);
 """
 
 
-KERNELS_CDEF = """
-int32_t edgekv_kernel_isa(void);
-int32_t edgekv_best_two(const float * x, int64_t n, int64_t d, const float * pt, int64_t c, int64_t cp, int64_t r,
-                        const float * xa, const float * pat, const float * rest_x, const float * rest_p,
-                        const float * slack, float * top, float * second, int32_t * arg);
-int32_t edgekv_irregularity(const float * x, int64_t n, int64_t d, const int64_t * bounds, int64_t n_chunks,
-                            double * delta);
-"""
+def kernels_cdef() -> str:
+    """``native/kernels.h`` as cffi reads it: the header without its preprocessor lines (one
+    home for the kernels' declarations)."""
+    header = (ROOT / "native" / "kernels.h").read_text()
+    return "\n".join(line for line in header.splitlines() if not line.startswith("#"))
 
 
 def _compile(module: str, cdef: str, source: str, libraries: list[str], sources: list[str] = (),
@@ -129,7 +126,7 @@ def build_capture() -> Path:
 def build_kernels() -> Path:
     """``native/kernels.c``: host kernels over numpy arrays; no llama.cpp, any engine."""
     # no FMA contraction: the kernels that reproduce numpy's floats round each product
-    return _compile("_edgekv_kernels", KERNELS_CDEF, '#include "kernels.h"\n', [], [ROOT / "native" / "kernels.c"],
+    return _compile("_edgekv_kernels", kernels_cdef(), '#include "kernels.h"\n', [], [ROOT / "native" / "kernels.c"],
                     ["-ffp-contract=off"])
 
 

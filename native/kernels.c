@@ -1,5 +1,6 @@
 // Host kernels for edgekv's methods that need no llama.cpp: they run over numpy arrays on
-// either engine. Each runs where the CPU has AVX-512 (checked per call); elsewhere, and
+// either engine. Each runs where the CPU has AVX-512 with VNNI (checked per call: Intel
+// since Cascade Lake, AMD since Zen 4); elsewhere, and
 // under EDGEKV_CPU=avx2 (as an AVX2-only CPU would), a call returns
 // EDGEKV_KERNEL_UNSUPPORTED and the caller keeps its numpy path. An AVX2 body of
 // edgekv_best_two (6 keys by 16 prototypes) ran at 58 GFLOP/s on the Xeon, slower than
@@ -82,20 +83,71 @@ __attribute__((target("avx512f"))) static inline void edgekv_update512(__m512 v,
     _mm512_storeu_si512(arg, a);
 }
 
-// What a tile needs to skip prototypes (edgekv_best_two's doc): the first r channels of
-// the keys and prototypes in the keys' principal axes (xat: this tile's, channel-major;
-// pat [r, cp]), bounds on what the other channels can add (rest_x, rest_p), the rounding
-// (slack), and each key's best product so far (lb).
+// The screen's channels in the principal axes (a caller's fewer: zeros past them)
+#define EDGEKV_SCREEN_AXES 32
+
+// What a tile needs to skip prototypes (edgekv_best_two's doc). The screen is an integer
+// product over r channels in the keys' principal axes: each key and each prototype in
+// those axes, quantised to signed bytes (the key's as unsigned, offset by 128, for
+// vpdpbusd), and multiplied back by their scales. Each key's bound then adds what the other
+// channels can add (rest_x * rest_p) and what the quantisation and the rounding can hide (cut).
 typedef struct {
-    int64_t r;
-    const float * xat;     // [r][EDGEKV_TILE_KEYS]
-    const float * pat;     // [r][cp]
-    const float * rest_x;  // [keys of the tile]
-    const float * rest_p;  // [cp]
-    const float * slack;   // [keys of the tile]
-    float * lb;            // [keys of the tile]
-    int64_t * live;        // += the 16-prototype halves computed
+    const uint32_t *uxt;     // [8][EDGEKV_TILE_KEYS]: 4 channels of each key of the tile, offset bytes
+    const int8_t *  qpt;     // [8][cp][4]: 4 channels of each prototype
+    const int32_t * corr;    // [cp]: 128 times each prototype's channel sum (the keys' offset)
+    const float *   rest_p;  // [cp]
+    const float *   scale;   // [keys of the tile]: the key's scale times the prototypes'
+    const float *   rest_x;  // [keys of the tile]
+    const float *   cut;     // [keys of the tile]: the quantisation's bound plus the slack
+    float *         lb;      // [keys of the tile]: the best full product so far
+    int64_t *       live;    // += the 16-prototype halves computed
 } edgekv_prune;
+
+// Which 16-prototype halves from j on may hold a prototype that beats each key's best so far:
+// a product's upper bound is its screen (an exact integer sum, at most 32 * 255 * 127 in
+// magnitude, converted exactly and scaled once) plus ||x's rest|| ||p's rest|| plus the
+// cut. Below the key's best so far, the prototype cannot be the key's best, nor matter to
+// the caller's check of the best. Not below (a NaN included): its product is computed.
+// Four keys at a time, eight accumulators: 24 at once kept the compiler spilling them.
+__attribute__((target("avx512f,avx512vnni"), always_inline)) static inline int edgekv_screen512(
+        const edgekv_prune * pr, int64_t cp, int64_t j, int rows, __mmask16 live[EDGEKV_TILE_KEYS][2]) {
+    const __m512i c0 = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(pr->corr + j));
+    const __m512i c1 = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(pr->corr + j + 16));
+    const __m512 rp0 = _mm512_loadu_ps(pr->rest_p + j), rp1 = _mm512_loadu_ps(pr->rest_p + j + 16);
+    int n_live = 0;
+    for (int i0 = 0; i0 < EDGEKV_TILE_KEYS; i0 += 4) {
+        __m512i a[4][2];
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; u++) {
+            a[u][0] = c0;
+            a[u][1] = c1;
+        }
+        const int8_t * q = pr->qpt + 4 * j;
+#pragma GCC unroll 8
+        for (int g = 0; g < EDGEKV_SCREEN_AXES / 4; g++) {
+            const __m512i p0 = _mm512_loadu_si512(q + 4 * cp * g), p1 = _mm512_loadu_si512(q + 4 * cp * g + 64);
+#pragma GCC unroll 4
+            for (int u = 0; u < 4; u++) {
+                const __m512i xb = _mm512_set1_epi32((int32_t) pr->uxt[g * EDGEKV_TILE_KEYS + i0 + u]);
+                a[u][0] = _mm512_dpbusd_epi32(a[u][0], xb, p0);
+                a[u][1] = _mm512_dpbusd_epi32(a[u][1], xb, p1);
+            }
+        }
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; u++) {
+            const int i = i0 + u;
+            const __m512 s = _mm512_set1_ps(pr->scale[i]);
+            const __m512 rx = _mm512_set1_ps(pr->rest_x[i]);
+            const __m512 thr = _mm512_set1_ps(i < rows ? pr->lb[i] - pr->cut[i] : INFINITY);
+            live[i][0] = _mm512_cmp_ps_mask(_mm512_fmadd_ps(rx, rp0, _mm512_mul_ps(_mm512_cvtepi32_ps(a[u][0]), s)), thr,
+                                            _CMP_NLT_UQ);
+            live[i][1] = _mm512_cmp_ps_mask(_mm512_fmadd_ps(rx, rp1, _mm512_mul_ps(_mm512_cvtepi32_ps(a[u][1]), s)), thr,
+                                            _CMP_NLT_UQ);
+            n_live += (live[i][0] != 0) + (live[i][1] != 0);
+        }
+    }
+    return n_live;
+}
 
 // Key i's products with the 16 prototypes at pk (channel k at pk + k * cp), in four
 // chains: a surviving accumulator is rare, so one chain's latency would set the pace
@@ -138,44 +190,29 @@ __attribute__((target("avx512f"), always_inline)) static inline void edgekv_prod
 // Above this many surviving 16-prototype halves (of 24), a tile computes all its products
 #define EDGEKV_DENSE_HALVES 8
 
-// One tile of keys against 32 prototypes from j on: every product (pr NULL), or only those
-// of the 16-prototype halves where some prototype may beat the key's best so far
-__attribute__((target("avx512f"), always_inline)) static inline void edgekv_tile512(const float * xt, int64_t d, int rows,
+// One tile of keys against 32 prototypes from j on: every product (pr NULL or whole, which
+// still raises the keys' best so far), or only those of the 16-prototype halves where some
+// prototype may beat the key's best so far
+__attribute__((target("avx512f,avx512vnni"), always_inline)) static inline void edgekv_tile512(const float * xt, int64_t d, int rows,
                                                                       const float * pt, int64_t cp, int64_t j,
                                                                       int64_t c, edgekv_lanes * st,
-                                                                      const edgekv_prune * pr) {
+                                                                      const edgekv_prune * pr, bool whole) {
     __m512 acc[EDGEKV_TILE_KEYS][2];
-    if (pr == NULL) {
-        edgekv_products512(xt, d, pt + j, cp, acc);
-    } else {  // the screen: the first r channels in the principal axes
-        edgekv_products512(pr->xat, pr->r, pr->pat + j, cp, acc);
-    }
+    const bool screen = pr != NULL && !whole;
     __mmask16 live[EDGEKV_TILE_KEYS][2];
     int n_live = 2 * rows;
-    if (pr != NULL) {
-        // a product's upper bound: its screen plus ||x's rest|| ||p's rest||. Below the key's
-        // best so far less slack, the prototype cannot be the key's best, nor matter to the
-        // caller's check of the best. Not below (a NaN included): its product is computed.
-        const __m512 rp0 = _mm512_loadu_ps(pr->rest_p + j), rp1 = _mm512_loadu_ps(pr->rest_p + j + 16);
-        n_live = 0;
-#pragma GCC unroll 12
-        for (int i = 0; i < EDGEKV_TILE_KEYS; i++) {
-            const __m512 rx = _mm512_set1_ps(i < rows ? pr->rest_x[i] : 0.0f);
-            const __m512 thr = _mm512_set1_ps(i < rows ? pr->lb[i] - pr->slack[i] : INFINITY);
-            live[i][0] = _mm512_cmp_ps_mask(_mm512_fmadd_ps(rx, rp0, acc[i][0]), thr, _CMP_NLT_UQ);
-            live[i][1] = _mm512_cmp_ps_mask(_mm512_fmadd_ps(rx, rp1, acc[i][1]), thr, _CMP_NLT_UQ);
-            n_live += (live[i][0] != 0) + (live[i][1] != 0);
-        }
+    if (screen) {
+        n_live = edgekv_screen512(pr, cp, j, rows, live);
         *pr->live += n_live;
-        if (n_live > EDGEKV_DENSE_HALVES) {  // cheaper as a whole tile, in registers
-            edgekv_products512(xt, d, pt + j, cp, acc);
-        }
     } else {
         for (int i = 0; i < EDGEKV_TILE_KEYS; i++) {
             live[i][0] = live[i][1] = i < rows ? (__mmask16) 0xFFFF : 0;
         }
     }
-    const bool each = pr != NULL && n_live <= EDGEKV_DENSE_HALVES;  // a survivor's products on its own
+    if (!screen || n_live > EDGEKV_DENSE_HALVES) {  // every product: cheaper as a whole tile, in registers
+        edgekv_products512(xt, d, pt + j, cp, acc);
+    }
+    const bool each = screen && n_live <= EDGEKV_DENSE_HALVES;  // a survivor's products on its own
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i i0 = _mm512_add_epi32(lane, _mm512_set1_epi32((int32_t) j));
     const __m512i i1 = _mm512_add_epi32(i0, _mm512_set1_epi32(16));
@@ -198,20 +235,198 @@ __attribute__((target("avx512f"), always_inline)) static inline void edgekv_tile
     }
 }
 
-__attribute__((target("avx512f"))) static bool edgekv_best_two_avx512(const float * x, int64_t n, int64_t d,
-                                                                       const float * pt, int64_t c, int64_t cp,
-                                                                       int64_t r, const float * xa, const float * pat,
-                                                                       const float * rest_x, const float * rest_p,
-                                                                       const float * slack, float * top, float * second,
-                                                                       int32_t * arg) {
+// float32's unit roundoff
+#define EDGEKV_EPS 0x1p-24
+
+// Row v [d] in r axes (axes [d, r], row-major): out[a] = sum_k v[k] axes[k][a], in float32
+__attribute__((target("avx512f"))) static void edgekv_rotate(const float * v, int64_t d, const float * axes, int64_t r,
+                                                             float * out) {
+    for (int64_t a = 0; a < r; a += 16) {
+        const __mmask16 m = r - a >= 16 ? (__mmask16) 0xFFFF : (__mmask16) ((1u << (r - a)) - 1);
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t k = 0; k < d; k++) {
+            acc = _mm512_fmadd_ps(_mm512_set1_ps(v[k]), _mm512_maskz_loadu_ps(m, axes + k * r + a), acc);
+        }
+        _mm512_mask_storeu_ps(out + a, m, acc);
+    }
+}
+
+// An upper bound on the norm of a row outside the axes, from its squared norm n2 (exact in
+// double) and its rotation va [r] (within rot * ||row|| of the exact one):
+// ||row||^2 - ||row in the axes||^2, with the rotation's error against it
+static float edgekv_rest_norm(double n2, const float * va, int64_t r, double rot) {
+    double in2 = 0.0;
+    for (int64_t a = 0; a < r; a++) {
+        in2 += (double) va[a] * va[a];
+    }
+    double inside = sqrt(in2 * (1.0 - 0x1p-40)) - rot * sqrt(n2);
+    inside = inside > 0.0 ? inside : 0.0;
+    const double rest2 = n2 * (1.0 + 0x1p-40) - inside * inside;
+    return (float) (sqrt(rest2 > 0.0 ? rest2 : 0.0) * (1.0 + 0x1p-20));
+}
+
+// The squared norm of v [d] in float32 (within (d + 2) eps of the exact one)
+__attribute__((target("avx512f"))) static float edgekv_sqnorm512(const float * v, int64_t d) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t k = 0; k < d; k += 16) {
+        const __mmask16 m = d - k >= 16 ? (__mmask16) 0xFFFF : (__mmask16) ((1u << (d - k)) - 1);
+        const __m512 v16 = _mm512_maskz_loadu_ps(m, v + k);
+        acc = _mm512_fmadd_ps(v16, v16, acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+// What the screen needs of one tile's keys (rows of x, transposed in xt): each key in the
+// first r <= 32 axes (axes32 [d][32], zeros past r) as offset bytes (uxt [r / 4][tile]), its
+// scale times the prototypes' (sp), its rest norm, and its cut: what the bytes' errors can
+// hide (qn ep + err pan) plus the slack. Float32 sums of d <= 256 squares are within
+// 2^-14 of the exact ones, and every bound leans against them by that much.
+__attribute__((target("avx512f"))) static void edgekv_screen_keys(const float * x, const float * xt, int rows,
+                                                                  int64_t d, const float * axes32, int64_t r,
+                                                                  double rot, float sp, double ep, double pan,
+                                                                  double pmax, uint32_t * uxt, float * scale,
+                                                                  float * rest_x, float * cut) {
+    __m512 va[EDGEKV_TILE_KEYS][2];
+    edgekv_products512(xt, d, axes32, 32, va);
+    const double a = 0x1p-14;
+    for (int i = 0; i < EDGEKV_TILE_KEYS; i++) {
+        if (i >= rows) {  // a short tile's last rows: never live
+            for (int64_t g = 0; g < r / 4; g++) {
+                uxt[g * EDGEKV_TILE_KEYS + i] = 0x80808080u;
+            }
+            scale[i] = rest_x[i] = cut[i] = 0.0f;
+            continue;
+        }
+        const __m512 v0 = va[i][0], v1 = va[i][1];
+        const float m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const float s = m / 127.0f;
+        const __m512 inv = _mm512_set1_ps(m > 0.0f ? 127.0f / m : 0.0f);
+        const __m512i lim = _mm512_set1_epi32(127);
+        // round to nearest; any rounding will do, as the errors are measured afterwards
+        const __m512i q0 = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), lim),
+                                            _mm512_sub_epi32(_mm512_setzero_si512(), lim));
+        const __m512i q1 = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v1, inv)), lim),
+                                            _mm512_sub_epi32(_mm512_setzero_si512(), lim));
+        const __m512 f0 = _mm512_cvtepi32_ps(q0), f1 = _mm512_cvtepi32_ps(q1);
+        const __m512 sv = _mm512_set1_ps(s);
+        const __m512 e0 = _mm512_fnmadd_ps(sv, f0, v0), e1 = _mm512_fnmadd_ps(sv, f1, v1);  // one rounding each
+        const double err = sqrt((double) _mm512_reduce_add_ps(_mm512_fmadd_ps(e0, e0, _mm512_mul_ps(e1, e1)))) * (1.0 + a);
+        const double qn = (double) s * sqrt((double) _mm512_reduce_add_ps(_mm512_fmadd_ps(f0, f0, _mm512_mul_ps(f1, f1)))) *
+                          (1.0 + 0x1p-20);  // an exact integer sum
+        const double in2 = (double) _mm512_reduce_add_ps(_mm512_fmadd_ps(v0, v0, _mm512_mul_ps(v1, v1)));
+        const double n2 = (double) edgekv_sqnorm512(x + (int64_t) i * d, d) * (1.0 + a);
+        double inside = sqrt(in2 * (1.0 - a)) - rot * sqrt(n2);
+        inside = inside > 0.0 ? inside : 0.0;
+        const double rest2 = n2 - inside * inside;
+        rest_x[i] = (float) (sqrt(rest2 > 0.0 ? rest2 : 0.0) * (1.0 + 0x1p-20));
+        scale[i] = s * sp;
+        // bytes q + 128: the offset vpdpbusd's unsigned operand needs
+        uint8_t b[32];
+        _mm_storeu_si128((__m128i *) b, _mm_xor_si128(_mm512_cvtepi32_epi8(q0), _mm_set1_epi8((char) 0x80)));
+        _mm_storeu_si128((__m128i *) (b + 16), _mm_xor_si128(_mm512_cvtepi32_epi8(q1), _mm_set1_epi8((char) 0x80)));
+        for (int64_t g = 0; g < r / 4; g++) {
+            uint32_t w;
+            memcpy(&w, b + 4 * g, 4);
+            uxt[g * EDGEKV_TILE_KEYS + i] = w;
+        }
+        // the slack: the rounding of the screen's scaling (eps each, on about twice the
+        // product of the norms: 8 eps), of a full product ((d + 4) eps) and of both
+        // rotations (2 rot), twice over
+        const double norm = sqrt(n2) * pmax;
+        const double slack = 2.0 * ((8.0 + (double) d + 4.0) * EDGEKV_EPS + 2.0 * rot) * 1.03 * norm;
+        cut[i] = (float) ((qn * ep + err * pan + slack) * (1.0 + 0x1p-20));
+    }
+}
+
+// The prototypes' side of the screen, once per call: their bytes in groups of 4 channels
+// (qpt [r / 4][cp][4]), the keys' offset correction, the norms outside the axes, one
+// scale for all (*sp), and the largest quantisation error and norm in the axes (*ep, *pa)
+__attribute__((target("avx512f"))) static void edgekv_screen_prototypes(const float * pt, int64_t d, int64_t cp,
+                                                                        const float * axes, int64_t r, double rot,
+                                                                        float * pa, int8_t * qpt, int32_t * corr,
+                                                                        float * rest_p, float * sp, double * ep,
+                                                                        double * pan, double * pmax) {
+    float col[256];  // d <= 256 (the caller checks)
+    float m = 0.0f;
+    for (int64_t j = 0; j < cp; j++) {
+        for (int64_t k = 0; k < d; k++) {
+            col[k] = pt[k * cp + j];
+        }
+        edgekv_rotate(col, d, axes, r, pa + j * r);
+        double n2 = 0.0;
+        for (int64_t k = 0; k < d; k++) {
+            n2 += (double) col[k] * col[k];
+        }
+        rest_p[j] = edgekv_rest_norm(n2, pa + j * r, r, rot);
+        *pmax = sqrt(n2) > *pmax ? sqrt(n2) : *pmax;
+        for (int64_t a = 0; a < r; a++) {
+            m = fabsf(pa[j * r + a]) > m ? fabsf(pa[j * r + a]) : m;
+        }
+    }
+    const float s = m / 127.0f;
+    *sp = s;
+    *ep = 0.0;
+    *pan = 0.0;
+    *pmax = 0.0;
+    for (int64_t j = 0; j < cp; j++) {
+        double e2 = 0.0, n2 = 0.0;
+        int32_t sum = 0;
+        for (int64_t a = 0; a < r; a++) {
+            const float v = pa[j * r + a];
+            long q = s > 0.0f ? lrintf(v / s) : 0;
+            q = q > 127 ? 127 : (q < -127 ? -127 : q);
+            qpt[((a / 4) * cp + j) * 4 + a % 4] = (int8_t) q;
+            sum += (int32_t) q;
+            const double back = (double) s * (double) q;
+            e2 += ((double) v - back) * ((double) v - back);
+            n2 += (double) v * v;
+        }
+        corr[j] = 128 * sum;
+        *ep = sqrt(e2) > *ep ? sqrt(e2) : *ep;
+        *pan = sqrt(n2) > *pan ? sqrt(n2) : *pan;
+    }
+    *ep *= 1.0 + 0x1p-40;
+    *pan *= 1.0 + 0x1p-40;
+    *pmax *= 1.0 + 0x1p-40;
+}
+
+__attribute__((target("avx512f,avx512vnni"))) static bool edgekv_best_two_avx512(const float * x, int64_t n, int64_t d,
+                                                                                   const float * pt, int64_t c,
+                                                                                   int64_t cp,
+                                                                                   struct edgekv_screen * sc,
+                                                                                   float * top, float * second,
+                                                                                   int32_t * arg) {
     const int block = EDGEKV_TILES * EDGEKV_TILE_KEYS;
+    const int64_t r = sc != NULL ? EDGEKV_SCREEN_AXES : 0, groups = r / 4;  // the caller's axes, zeros past them
     edgekv_lanes st[EDGEKV_TILES * EDGEKV_TILE_KEYS];
-    float lb[EDGEKV_TILES * EDGEKV_TILE_KEYS];
-    float * xt = malloc(sizeof(float) * block * (d + r));
+    float lb[EDGEKV_TILES * EDGEKV_TILE_KEYS], scale[EDGEKV_TILES * EDGEKV_TILE_KEYS];
+    float rest_x[EDGEKV_TILES * EDGEKV_TILE_KEYS], cut[EDGEKV_TILES * EDGEKV_TILE_KEYS];
+    // one allocation: the block's keys transposed, then the screen's arrays
+    const size_t bytes = sizeof(float) * block * d + sizeof(uint32_t) * block * groups + sizeof(float) * (r + 1) * cp +
+                         sizeof(int32_t) * cp + (size_t) r * cp + sizeof(float) * 32 * d + 64;
+    float * xt = malloc(bytes);
     if (xt == NULL) {
         return false;
     }
-    float * xat = xt + block * d;
+    uint32_t * uxt = (uint32_t *) (xt + block * d);
+    float * pa = (float *) (uxt + block * groups);
+    float * rest_p = pa + r * cp;
+    int32_t * corr = (int32_t *) (rest_p + cp);
+    int8_t * qpt = (int8_t *) (corr + cp);
+    float * axes32 = (float *) (qpt + r * cp + 64 - (r * cp) % 64);  // the axes, 32 columns wide (zeros past r)
+    for (int64_t k = 0; k < d && r > 0; k++) {
+        for (int64_t a = 0; a < 32; a++) {
+            axes32[k * 32 + a] = a < sc->r ? sc->axes[k * sc->r + a] : 0.0f;
+        }
+    }
+    // A rotated row's error, over its norm: the rotation's float32 sums and the axes' float32
+    // rounding, each channel within (d + 1) eps of the row's norm
+    const double rot = (double) (d + 1) * EDGEKV_EPS * sqrt((double) r) * 1.01;
+    float sp = 0.0f;
+    double ep = 0.0, pan = 0.0, pmax = 0.0;
+    if (r > 0) {
+        edgekv_screen_prototypes(pt, d, cp, axes32, r, rot, pa, qpt, corr, rest_p, &sp, &ep, &pan, &pmax);
+    }
     // Skipping pays while few halves survive: each survivor's product is computed on its
     // own, at about three times the cost per multiply-add of the full tile. Where more
     // than a fifth of them survive (keys spread over many axes: a model's first layer),
@@ -226,17 +441,18 @@ __attribute__((target("avx512f"))) static bool edgekv_best_two_avx512(const floa
         for (int t = 0; t < tiles; t++) {
             const int rows = nb - t * EDGEKV_TILE_KEYS < EDGEKV_TILE_KEYS ? (int) (nb - t * EDGEKV_TILE_KEYS) : EDGEKV_TILE_KEYS;
             edgekv_transpose_keys(x + (lo + t * EDGEKV_TILE_KEYS) * d, d, rows, xt + t * EDGEKV_TILE_KEYS * d);
-            if (prune) {
-                edgekv_transpose_keys(xa + (lo + t * EDGEKV_TILE_KEYS) * r, r, rows, xat + t * EDGEKV_TILE_KEYS * r);
-            }
+        }
+        for (int t = 0; prune && t < tiles; t++) {  // each key in the axes, as offset bytes
+            const int rows = nb - t * EDGEKV_TILE_KEYS < EDGEKV_TILE_KEYS ? (int) (nb - t * EDGEKV_TILE_KEYS) : EDGEKV_TILE_KEYS;
+            const int k0 = t * EDGEKV_TILE_KEYS;
+            edgekv_screen_keys(x + (lo + k0) * d, xt + k0 * d, rows, d, axes32, r, rot, sp, ep, pan, pmax,
+                               uxt + k0 * groups, scale + k0, rest_x + k0, cut + k0);
         }
         for (int64_t i = 0; i < nb; i++) {
             lb[i] = -INFINITY;
-            for (int l = 0; l < 16; l++) {
-                st[i].top[l] = -INFINITY;
-                st[i].second[l] = -INFINITY;
-                st[i].arg[l] = 0;
-            }
+            _mm512_storeu_ps(st[i].top, _mm512_set1_ps(-INFINITY));
+            _mm512_storeu_ps(st[i].second, _mm512_set1_ps(-INFINITY));
+            _mm512_storeu_si512(st[i].arg, _mm512_setzero_si512());
         }
         // Prototypes in tiles of 32, each staying in L1 for the block. With pruning, from
         // where the block's own prototypes likely sit (ProtoKV's chunk prototypes follow
@@ -247,18 +463,22 @@ __attribute__((target("avx512f"))) static bool edgekv_best_two_avx512(const floa
             const int64_t j = (j0 + jj) % cp;
             for (int t = 0; t < tiles; t++) {
                 const int rows = nb - t * EDGEKV_TILE_KEYS < EDGEKV_TILE_KEYS ? (int) (nb - t * EDGEKV_TILE_KEYS) : EDGEKV_TILE_KEYS;
-                const int64_t k0 = lo + t * EDGEKV_TILE_KEYS;
-                const edgekv_prune pr = {r, xat + t * EDGEKV_TILE_KEYS * r, pat, prune ? rest_x + k0 : NULL, rest_p,
-                                         prune ? slack + k0 : NULL, lb + t * EDGEKV_TILE_KEYS, &live};
-                edgekv_tile512(xt + t * EDGEKV_TILE_KEYS * d, d, rows, pt, cp, j, c, st + t * EDGEKV_TILE_KEYS,
-                               prune ? &pr : NULL);
+                const int k0 = t * EDGEKV_TILE_KEYS;
+                const edgekv_prune pr = {uxt + k0 * groups, qpt, corr, rest_p, scale + k0, rest_x + k0, cut + k0,
+                                         lb + k0, &live};
+                // the block's first tile of prototypes is computed whole: no best so far
+                // the block's first tile of prototypes is computed whole: no best so far
+                edgekv_tile512(xt + k0 * d, d, rows, pt, cp, j, c, st + k0, prune ? &pr : NULL, jj == 0);
             }
         }
         for (int64_t i = 0; i < nb; i++) {
             edgekv_fold_lanes(&st[i], top + lo + i, second + lo + i, arg + lo + i);
         }
-        // the block's first tile of prototypes is computed whole (no best so far): not counted
-        prune = prune && 5 * (live - 2 * nb) <= 2 * nb * (cp / 32 - 1);
+        if (prune) {  // not counted: the first tile, computed whole
+            sc->screened += 2 * nb * (cp / 32 - 1);
+            sc->passed += live;
+        }
+        prune = prune && 5 * live <= 2 * nb * (cp / 32 - 1);
     }
     free(xt);
     return true;
@@ -346,28 +566,29 @@ int32_t edgekv_kernel_isa(void) {
     const char * cpu = getenv("EDGEKV_CPU");
     const bool avx2_only = cpu != NULL && strcmp(cpu, "avx2") == 0;  // as an AVX2-only CPU would
     __builtin_cpu_init();
-    if (!avx2_only && __builtin_cpu_supports("avx512f")) {
+    if (!avx2_only && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vnni")) {
         return EDGEKV_KERNEL_AVX512;
     }
 #endif
     return EDGEKV_KERNEL_UNSUPPORTED;
 }
 
-int32_t edgekv_best_two(const float * x, int64_t n, int64_t d, const float * pt, int64_t c, int64_t cp, int64_t r,
-                        const float * xa, const float * pat, const float * rest_x, const float * rest_p,
-                        const float * slack, float * top, float * second, int32_t * arg) {
-    if (n < 0 || d < 1 || c < 1 || cp < c || cp % 32 != 0 || c > INT32_MAX || r < 0 ||
-        (r > 0 && (xa == NULL || pat == NULL || rest_x == NULL || rest_p == NULL || slack == NULL))) {
+int32_t edgekv_best_two(const float * x, int64_t n, int64_t d, const float * pt, int64_t c, int64_t cp,
+                        struct edgekv_screen * screen, float * top, float * second, int32_t * arg) {
+    if (n < 0 || d < 1 || c < 1 || cp < c || cp % 32 != 0 || c > INT32_MAX) {
         return EDGEKV_KERNEL_BAD_ARGS;
     }
+    if (screen != NULL && (screen->r < 4 || screen->r % 4 != 0 || screen->r > 32 || screen->r > d || d > 256 || screen->axes == NULL)) {
+        return EDGEKV_KERNEL_BAD_ARGS;
+    }
+
     const int32_t isa = edgekv_kernel_isa();
 #ifdef EDGEKV_X86
     if (isa == EDGEKV_KERNEL_AVX512) {
-        return edgekv_best_two_avx512(x, n, d, pt, c, cp, r, xa, pat, rest_x, rest_p, slack, top, second, arg) ? isa
-                                                                                                 : EDGEKV_KERNEL_NO_MEMORY;
+        return edgekv_best_two_avx512(x, n, d, pt, c, cp, screen, top, second, arg) ? isa : EDGEKV_KERNEL_NO_MEMORY;
     }
 #endif
-    (void) x; (void) pt; (void) xa; (void) pat; (void) rest_x; (void) rest_p; (void) slack; (void) top; (void) second; (void) arg;
+    (void) x; (void) pt; (void) top; (void) second; (void) arg;
     return isa;
 }
 

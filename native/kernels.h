@@ -12,8 +12,8 @@ enum edgekv_kernel_status {
     EDGEKV_KERNEL_AVX512      = 2,
 };
 
-// The instruction set a kernel call runs now: EDGEKV_KERNEL_AVX512, or
-// EDGEKV_KERNEL_UNSUPPORTED without AVX-512 or under EDGEKV_CPU=avx2.
+// The instruction set a kernel call runs now: EDGEKV_KERNEL_AVX512 (AVX-512 with VNNI), or
+// EDGEKV_KERNEL_UNSUPPORTED without them or under EDGEKV_CPU=avx2.
 int32_t edgekv_kernel_isa(void);
 
 // For each row i of x [n, d] (float32, row-major): arg[i], the first of the c prototypes
@@ -25,19 +25,25 @@ int32_t edgekv_kernel_isa(void);
 // (the caller checks); a row of x with a NaN or an infinity gets a top that is not finite,
 // never a finite wrong answer. Returns the edgekv_kernel_status it ran with (> 0), or < 0.
 //
-// With r > 0, pairs are skipped on a screen: xa [n, r] and pat [r, cp] (transposed, zeros
-// past c) hold the rows and the prototypes in r orthonormal axes, rest_x [n] and rest_p [cp]
-// bounds on the norms of their parts outside those axes, slack [n] the rounding. A
-// prototype whose screened product plus rest_x[i] * rest_p[j] is below row i's best full
-// product so far less slack[i] is left out of top, second and arg. When slack covers the
-// rounding of a screened and of a full product, a prototype left out is below the row's
-// best in exact arithmetic: top and arg stand, and second still bounds every prototype
-// that could be the best. Keys in their principal axes carry most of a product in the
-// first channels (ProtoKV's keys at 8k cells: r = 16 of 64 leaves about a tenth of the
-// pairs to compute). With r = 0 nothing is skipped and the screen's arrays may be NULL.
-int32_t edgekv_best_two(const float * x, int64_t n, int64_t d, const float * pt, int64_t c, int64_t cp, int64_t r,
-                        const float * xa, const float * pat, const float * rest_x, const float * rest_p,
-                        const float * slack, float * top, float * second, int32_t * arg);
+// With a screen (NULL: none), pairs are skipped. Its axes [d, r] (row-major) are the float32
+// copy of r orthonormal columns (r a multiple of 4, 4 <= r <= 32, r <= d <= 256). Keys and prototypes
+// in those axes are rounded to bytes, and their integer products (vpdpbusd) plus bounds on
+// what the other channels, the bytes' errors and every rounding can add give an upper
+// bound on each product. A prototype whose bound is below the row's best full product so
+// far is left out of top, second and arg: it is below the row's best in exact arithmetic,
+// so top and arg stand, and second still bounds every prototype that could be the best.
+// Keys in their principal axes carry most of a product in the first channels (ProtoKV's
+// keys at 8k cells, r = 32 of 64: about one 16-prototype half in twenty passes the screen).
+// The kernel adds the halves it screened and those that passed to screened and passed.
+struct edgekv_screen {
+    int64_t       r;
+    const float * axes;
+    int64_t       screened;
+    int64_t       passed;
+};
+
+int32_t edgekv_best_two(const float * x, int64_t n, int64_t d, const float * pt, int64_t c, int64_t cp,
+                        struct edgekv_screen * screen, float * top, float * second, int32_t * arg);
 
 // ProtoKV's irregularity of each row of x [n, d] (float32) in its chunk (bounds[i] to
 // bounds[i + 1], n_chunks chunks covering 0..n): (1 - cos(row, chunk mean)) / ||chunk std||,

@@ -517,16 +517,17 @@ def test_assignment_is_float64s_argmax_even_on_near_ties() -> None:
 
 
 def avx512_kernels() -> bool:
-    """Whether edgekv's host kernels run here: an AVX-512 CPU, not told to act as an AVX2 one."""
+    """Whether edgekv's host kernels run here: an AVX-512 CPU with VNNI, not told to act as
+    an AVX2 one."""
     import os
 
     from edgekv.llama import cpu_flag
 
-    return cpu_flag("avx512f") and os.environ.get("EDGEKV_CPU", "") != "avx2"
+    return cpu_flag("avx512f") and cpu_flag("avx512_vnni") and os.environ.get("EDGEKV_CPU", "") != "avx2"
 
 
 def test_the_fused_kernel_runs_exactly_where_the_cpu_has_avx512(monkeypatch) -> None:
-    """``kernels.best_two`` and ``kernels.irregularity`` run on an AVX-512 CPU (the module is
+    """``kernels.best_two`` and ``kernels.irregularity`` run on an AVX-512 CPU with VNNI (the module is
     built by setup) and decline elsewhere and under EDGEKV_CPU=avx2, where ProtoKV keeps
     numpy's BLAS and numba's pass."""
     from edgekv import kernels
@@ -552,14 +553,15 @@ def test_the_fused_kernels_best_two_are_the_float32_products(n: int, c: int, d: 
     from edgekv import kernels
 
     if not avx512_kernels():
-        pytest.skip("no AVX-512: ProtoKV's assignment runs numpy's BLAS, tested above")
+        pytest.skip("no AVX-512 with VNNI: ProtoKV's assignment runs numpy's BLAS, tested above")
     rng = np.random.default_rng(n + c + d)
     x = (rng.standard_normal((n, d)) * rng.uniform(0.1, 30, (n, 1))).astype(np.float32)
     protos = rng.standard_normal((c, d))
     protos /= np.linalg.norm(protos, axis=1, keepdims=True)
     protos[c // 2] = protos[0]  # an exact tie with prototype 0 (c = 2: the only other one)
     p32 = protos.astype(np.float32)
-    top, second, arg = kernels.best_two(x, p32)
+    got = kernels.best_two(x, p32)
+    top, second, arg = got.top, got.second, got.arg
     s = x.astype(np.float64) @ p32.astype(np.float64).T
     slack = 2 * (d + 4) * 2.0**-24 * np.linalg.norm(x.astype(np.float64), axis=1)
     srt = np.sort(s, axis=1)
@@ -649,25 +651,39 @@ def test_the_screened_assignment_is_float64s_argmax(n: int, d: int, rank: int, n
     assert np.array_equal(assign(x, protos), want)
 
 
-def test_the_screen_keeps_the_kernels_answer(monkeypatch) -> None:
-    """The screened kernel gives the unscreened one's best prototype and product for every
-    key it can decide, on keys from a real model's shape (8k cells, 517 prototypes)."""
+def test_prototypes_closer_than_a_bytes_step_are_told_apart() -> None:
+    """Prototypes that differ by far less than the screen's byte step (in the keys' main
+    axis, where the bytes are coarsest) all pass the screen, and float64 decides between
+    them: the labels are its argmax, key for key."""
+    rng = np.random.default_rng(12)
+    x = cache_like_keys(4100, 64, 6, rng)
+    protos = chunk_prototypes(x, rng.standard_normal((8, 64)))
+    main = np.linalg.svd(x[::4].astype(np.float64), full_matrices=False)[2][0]
+    for j in range(0, len(protos) - 1, 7):  # near twins: a nudge along the main axis
+        protos[j + 1] = protos[j] + 1e-5 * (1 if j % 2 else -1) * main
+    protos /= np.linalg.norm(protos, axis=1, keepdims=True)
+    want = np.argmax(x.astype(np.float64) @ protos.T, axis=1)
+    assert np.array_equal(assign(x, protos), want)
+
+
+def test_the_screen_keeps_the_kernels_answer() -> None:
+    """The screened kernel skips most of the work and gives the unscreened one's best
+    prototype and product for every key it can decide, on keys from a real model's shape
+    (8k cells, 517 prototypes)."""
     from edgekv import kernels
     from edgekv.methods import protokv
 
     if not avx512_kernels():
-        pytest.skip("no AVX-512: ProtoKV's assignment runs numpy's BLAS, tested above")
+        pytest.skip("no AVX-512 with VNNI: ProtoKV's assignment runs numpy's BLAS, tested above")
     rng = np.random.default_rng(8)
     x = cache_like_keys(8160, 64, 8, rng)
     p32 = chunk_prototypes(x, rng.standard_normal((8, 64))).astype(np.float32)
     norms = np.sqrt(np.einsum("nd,nd->n", x, x))
-    screens = []
-    real = kernels.best_two
-    monkeypatch.setattr(kernels, "best_two", lambda *a, **k: screens.append(k.get("screen")) or real(*a, **k))
-    top, second, arg = protokv._pruned_best_two(x, p32, norms)
-    assert screens and screens[0] is not None and screens[0].xa.shape == (8160, 16)
-    top0, second0, arg0 = real(x, p32)
-    sure = top0.astype(np.float64) - second0 > 2 * 70 * 2.0**-24 * norms
+    got = protokv._pruned_best_two(x, p32, norms)
+    assert got.screened > 8160 * 2 * 10 and got.passed < 0.2 * got.screened
+    plain = kernels.best_two(x, p32)
+    assert plain.screened == 0
+    sure = plain.top.astype(np.float64) - plain.second > 2 * 70 * 2.0**-24 * norms
     assert sure.mean() > 0.99
-    assert np.array_equal(arg[sure], arg0[sure])
-    assert np.all(np.abs(top - top0) <= 2 * 70 * 2.0**-24 * norms)
+    assert np.array_equal(got.arg[sure], plain.arg[sure])
+    assert np.all(np.abs(got.top - plain.top) <= 2 * 70 * 2.0**-24 * norms)

@@ -216,7 +216,7 @@ def assign(x: np.ndarray, protos: np.ndarray) -> np.ndarray:
     first on ties; all 0 when there is no prototype.
 
     This is ProtoKV's largest cost (keys x prototypes, quadratic in the cache). With
-    AVX-512 the products and the best two run in one compiled pass (``kernels.best_two``),
+    AVX-512 and VNNI the products and the best two run in one compiled pass (``kernels.best_two``),
     most pairs skipped on a screen (``_pruned_best_two``), else as BLAS products and a
     compiled pass over them. The products run in float32
     (float32 keys as they are), at twice float64's speed, and every row whose best two
@@ -236,13 +236,12 @@ def assign(x: np.ndarray, protos: np.ndarray) -> np.ndarray:
     # keys' in float32: within 1e-5 of float64's, well inside the 1.01) changes nothing
     norms = np.sqrt(np.einsum("nd,nd->n", x, x))
     bound = 2.0 * ((d + 4) * _F32_SLACK + (d + 2) * _F64_SLACK) * 1.01 * norms
-    if np.isfinite(p32).all():  # the products and the best two in one compiled pass (AVX-512)
+    if np.isfinite(p32).all():  # the products and the best two in one compiled pass (AVX-512, VNNI)
         fused = _pruned_best_two(x32, p32, norms) if c >= _PRUNE_MIN_PROTOS else None
         if fused is None:
             fused = kernels.best_two(x32, p32)
         if fused is not None:
-            top, second, arg = fused
-            return _settle(x, protos, arg.astype(np.int64), top, second, bound)
+            return _settle(x, protos, fused.arg.astype(np.int64), fused.top, fused.second, bound)
     best = np.empty(n, np.int64)
     top = np.empty(_ASSIGN_ROWS, np.float32)
     second = np.empty(_ASSIGN_ROWS, np.float32)
@@ -258,37 +257,26 @@ def assign(x: np.ndarray, protos: np.ndarray) -> np.ndarray:
 
 _PRUNE_MIN_PROTOS = 64  # fewer prototypes (short caches, tests) take the plain kernel: a cutoff, not a measured break-even
 _PRUNE_SAMPLE = 1024  # keys whose second moments give the principal axes
+_SCREEN_AXES = 32  # at most: the screen's channels, in bytes (8 vpdpbusd a key and 16 prototypes; 64 FMAs at d = 64 in full)
 
 
-def _pruned_best_two(x32: np.ndarray, p32: np.ndarray, norms: np.ndarray,
-                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+def _pruned_best_two(x32: np.ndarray, p32: np.ndarray, norms: np.ndarray) -> kernels.BestTwo | None:
     """``kernels.best_two`` with most key-prototype pairs skipped (the same answer), or
     None where the kernel cannot run or the keys are not finite (or so large that their
     squares overflow).
 
-    A head's keys lie close to a few directions. In their principal axes (U, from the
-    keys' second moments) the first quarter of the channels carries most of each product,
-    and the other channels can add at most ||x's rest|| ||p's rest||. A prototype whose
-    screen plus that falls below the key's best product so far cannot win and is skipped;
-    at 8k cells about 88 % of the pairs are, for a product of a quarter of the channels.
-    The bounds are rigorous: the slack adds the rounding of U's float32 copy, of the
-    rotations, of the screen and of a full product."""
+    A head's keys lie close to a few directions. In their principal axes (from the keys'
+    second moments) the first channels carry most of each product, and the others can add
+    at most ||x's rest|| ||p's rest||. The kernel screens every pair on r = min(32, d / 2)
+    such channels in bytes and computes a prototype only where that bound reaches the key's
+    best product so far: at 8k cells about one 16-prototype half in twenty. The bounds are
+    rigorous (``native/kernels.h``)."""
     n, d = x32.shape
-    if d < 8 or not np.isfinite(norms).all() or norms.max(initial=0.0) > 1e15:
+    if not 8 <= d <= 256 or not np.isfinite(norms).all() or norms.max(initial=0.0) > 1e15:
         return None
     sample = x32[:: max(1, n // _PRUNE_SAMPLE)]
-    axes = principal_axes((sample.T @ sample).astype(np.float64), d // 4)
-    if axes is None:
-        return None
-    u = axes.astype(np.float32)
-    xa, pa = x32 @ u, p32 @ u
-    r = u.shape[1]
-    # a rotated row's error, over its norm: the rotation's float32 sums and U's rounding
-    rot = (d + 1) * _F32_SLACK * np.sqrt(r) * 1.01
-    screen = kernels.Screen(xa, pa, _rest_norm(norms, xa, rot, d), _rest_norm(np.linalg.norm(p32, axis=1), pa, rot, d),
-                            slack=(2.0 * ((r + 2 + 2 * rot / _F32_SLACK + d + 1 + 4) * _F32_SLACK * 1.03) * norms
-                                   ).astype(np.float32))
-    return kernels.best_two(x32, p32, screen=screen)
+    axes = principal_axes((sample.T @ sample).astype(np.float64), min(_SCREEN_AXES, d // 2 // 4 * 4))
+    return None if axes is None else kernels.best_two(x32, p32, axes=axes.astype(np.float32))
 
 
 def principal_axes(moments: np.ndarray, r: int, steps: int = 3) -> np.ndarray | None:
@@ -302,18 +290,6 @@ def principal_axes(moments: np.ndarray, r: int, steps: int = 3) -> np.ndarray | 
     for _ in range(steps):
         q = np.linalg.qr(moments @ q)[0]
     return q
-
-
-def _rest_norm(norms: np.ndarray, xa: np.ndarray, rot: float, d: int) -> np.ndarray:
-    """float32 [n]: an upper bound on the norm of each row outside the orthonormal axes
-    that gave ``xa`` (its rotation into them, each row within ``rot`` of its norm), from
-    ``norms`` (the rows' norms, summed over ``d`` channels in float32 or better):
-    ||x||^2 - ||x's part in the axes||^2, with every rounding against it."""
-    r = xa.shape[1]
-    n2 = np.square(norms.astype(np.float64)) * (1 + 2 * (d + 4) * _F32_SLACK)
-    inside = np.sqrt(np.einsum("nr,nr->n", xa, xa).astype(np.float64) * (1 - 2 * (r + 1) * _F32_SLACK))
-    inside = np.maximum(inside - rot * np.sqrt(n2), 0.0)
-    return (np.sqrt(np.maximum(n2 - inside * inside, 0.0)) * (1 + 8 * _F32_SLACK)).astype(np.float32)
 
 
 def _settle(x: np.ndarray, protos: np.ndarray, best: np.ndarray, top: np.ndarray, second: np.ndarray,
