@@ -30,6 +30,7 @@ from edgekv.methods.protokv import (
     irregularity,
     lexicographic_rank,
     lsh_buckets,
+    pooled_rank,
     prototypes,
     rff_draw,
     rff_gamma,
@@ -326,6 +327,28 @@ def test_lexicographic_rank_is_numpys_three_key_lexsort(seed: int) -> None:
     want = np.empty(n)
     want[np.lexsort((-np.arange(n), secondary, primary))] = np.arange(n)
     assert np.array_equal(lexicographic_rank(primary, secondary), want)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_pooled_rank_is_the_rank_of_the_cluster_means(seed: int) -> None:
+    """The one-pass rank ProtoKV scores by, against the two steps it replaces: clusters of
+    one to hundreds of cells (runs above and below the insertion sort's 32), clusters whose
+    means are equal (their cells run together), tied and signed-zero votes, infinities, and
+    NaNs (numpy's own path)."""
+    rng = np.random.default_rng(seed)
+    n = 3000
+    labels = rng.integers(0, 10 + 200 * seed, n)
+    votes = np.round(rng.standard_normal(n), 1)
+    votes[rng.random(n) < 0.05] = -0.0
+    twins = np.flatnonzero(labels == labels[0])
+    votes[np.flatnonzero(labels == labels[1])] = votes[twins[0]]  # two clusters of one mean
+    votes[twins] = votes[twins[0]]
+    if seed == 4:
+        votes[twins[:2]] = np.inf, -np.inf  # a cluster whose mean is a NaN
+    if seed == 5:
+        votes[rng.integers(0, n, 3)] = np.nan
+    want = lexicographic_rank(cluster_mean(votes, labels), votes)
+    assert np.array_equal(pooled_rank(votes, labels), want)
 
 
 @pytest.mark.parametrize("n", [1, 5, 23, 64, 161, 500])

@@ -388,6 +388,68 @@ def _lexicographic_rank(primary, secondary):  # pragma: no cover - compiled
     return rank
 
 
+def pooled_rank(votes: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """float [n]: ``lexicographic_rank(cluster_mean(votes, labels), votes)`` (tested), the
+    rank ProtoKV scores a head's cells by, in one compiled pass: the clusters, not the
+    cells, are sorted by their mean vote (a few hundred numbers instead of 8k), and the
+    cells are laid out cluster by cluster in linear time."""
+    votes = np.ascontiguousarray(votes, np.float64)
+    if not np.isfinite(votes).all():  # NaNs in numpy's order (infinities of both signs make a NaN mean)
+        return lexicographic_rank(cluster_mean(votes, labels), votes)
+    return _pooled_rank(votes, np.ascontiguousarray(labels, np.int64))
+
+
+@njit(cache=True, nogil=True)
+def _pooled_rank(votes, labels):  # pragma: no cover - compiled
+    """Each cluster's mean as ``cluster_mean`` has it (the votes added in cell order, over
+    the count); the clusters sorted by mean, clusters of equal means run together; the
+    cells of a run in order of their own vote, later cells first on ties."""
+    n = votes.shape[0]
+    c = labels.max() + 1 if n else 0
+    sums, counts = np.zeros(c), np.zeros(c, np.int64)
+    for t in range(n):
+        sums[labels[t]] += votes[t]
+        counts[labels[t]] += 1
+    means = sums / np.maximum(counts, 1)
+    present = np.flatnonzero(counts)
+    by_mean = present[np.argsort(means[present], kind="mergesort")]
+    run_of = np.empty(c, np.int64)  # clusters of equal means share a run
+    runs = 0
+    for k in range(by_mean.size):
+        if k > 0 and means[by_mean[k]] != means[by_mean[k - 1]]:
+            runs += 1
+        run_of[by_mean[k]] = runs
+    runs += 1
+    start = np.zeros(runs + 1, np.int64)
+    for t in range(n):
+        start[run_of[labels[t]] + 1] += 1
+    for r in range(runs):
+        start[r + 1] += start[r]
+    order = np.empty(n, np.int64)
+    fill = start[:-1].copy()
+    for t in range(n - 1, -1, -1):  # later cells first within a run
+        r = run_of[labels[t]]
+        order[fill[r]] = t
+        fill[r] += 1
+    for r in range(runs):
+        i, j = start[r], start[r + 1]
+        run = order[i:j]
+        if j - i > 32:
+            order[i:j] = run[np.argsort(votes[run], kind="mergesort")]
+        else:
+            for a in range(1, j - i):  # insertion sort, stable
+                v = run[a]
+                b = a
+                while b > 0 and votes[run[b - 1]] > votes[v]:
+                    run[b] = run[b - 1]
+                    b -= 1
+                run[b] = v
+    rank = np.empty(n)
+    for k in range(n):
+        rank[order[k]] = k
+    return rank
+
+
 def cluster_ids(x: np.ndarray, chunk: int, n_bits: int, p: int, w0: np.ndarray,
                 b: np.ndarray) -> tuple[np.ndarray, int]:
     """(labels [n], number of prototypes) for one head's candidate keys ``x`` [n, d]:
@@ -443,6 +505,7 @@ class ProtoKV(ScorerMethod):
         top_irregular(irregularity(x, np.array([0, 2])), 1)
         assign(x, np.eye(2, 4))
         lexicographic_rank(np.zeros(2), np.zeros(2))
+        pooled_rank(np.zeros(2), np.zeros(2, np.int64))
 
     @property
     def queries_needed(self) -> int:
@@ -474,5 +537,5 @@ class ProtoKV(ScorerMethod):
         w0, b = rff_draw(self.seed, self.n_bits, keys.shape[2])
         for g in range(snap.n_kv_head):
             labels, _ = cluster_ids(keys[:m, g], self.chunk, self.n_bits, self.n_irregular, w0, b)
-            out[g, :m] = lexicographic_rank(cluster_mean(votes[g], labels), votes[g])
+            out[g, :m] = pooled_rank(votes[g], labels)
         return out
