@@ -33,7 +33,7 @@ int32_t edgekv_kernel_isa(void);
 // far is left out of top, second and arg: it is below the row's best in exact arithmetic,
 // so top and arg stand, and second still bounds every prototype that could be the best.
 // Keys in their principal axes carry most of a product in the first channels (ProtoKV's
-// keys at 8k cells, r = 32 of 64: about one 16-prototype half in twenty passes the screen).
+// keys at 8k cells, r = 32 of 64: about one 16-prototype half in a hundred passes the screen).
 // The kernel adds the halves it screened and those that passed to screened and passed.
 struct edgekv_screen {
     int64_t       r;

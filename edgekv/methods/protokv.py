@@ -269,7 +269,7 @@ def _pruned_best_two(x32: np.ndarray, p32: np.ndarray, norms: np.ndarray) -> ker
     second moments) the first channels carry most of each product, and the others can add
     at most ||x's rest|| ||p's rest||. The kernel screens every pair on r = min(32, d / 2)
     such channels in bytes and computes a prototype only where that bound reaches the key's
-    best product so far: at 8k cells about one 16-prototype half in twenty. The bounds are
+    best product so far: at 8k cells about one 16-prototype half in a hundred. The bounds are
     rigorous (``native/kernels.h``)."""
     n, d = x32.shape
     if not 8 <= d <= 256 or not np.isfinite(norms).all() or norms.max(initial=0.0) > 1e15:
