@@ -369,23 +369,29 @@ def _lexicographic_rank(primary, secondary):  # pragma: no cover - compiled
         j = i + 1
         while j < n and primary[order[j]] == primary[order[i]]:
             j += 1
-        run = order[i:j][::-1].copy()  # later cells first: a stable sort keeps them so on ties
-        if j - i > 32:
-            run = run[np.argsort(secondary[run], kind="mergesort")]
-        else:
-            for a in range(1, j - i):  # insertion sort, stable
-                v = run[a]
-                b = a
-                while b > 0 and secondary[run[b - 1]] > secondary[v]:
-                    run[b] = run[b - 1]
-                    b -= 1
-                run[b] = v
-        order[i:j] = run
+        # later cells first: a stable sort keeps them so on ties
+        order[i:j] = _sort_run(order[i:j][::-1].copy(), secondary)
         i = j
     rank = np.empty(n)
     for k in range(n):
         rank[order[k]] = k
     return rank
+
+
+@njit(cache=True, nogil=True)
+def _sort_run(run, key):  # pragma: no cover - compiled
+    """The cells ``run`` in ascending ``key``, stably (equal keys keep their order): an
+    insertion sort for a cluster's few cells, a merge sort for long runs."""
+    if run.size > 32:
+        return run[np.argsort(key[run], kind="mergesort")]
+    for a in range(1, run.size):
+        v = run[a]
+        b = a
+        while b > 0 and key[run[b - 1]] > key[v]:
+            run[b] = run[b - 1]
+            b -= 1
+        run[b] = v
+    return run
 
 
 def pooled_rank(votes: np.ndarray, labels: np.ndarray) -> np.ndarray:
@@ -432,18 +438,7 @@ def _pooled_rank(votes, labels):  # pragma: no cover - compiled
         order[fill[r]] = t
         fill[r] += 1
     for r in range(runs):
-        i, j = start[r], start[r + 1]
-        run = order[i:j]
-        if j - i > 32:
-            order[i:j] = run[np.argsort(votes[run], kind="mergesort")]
-        else:
-            for a in range(1, j - i):  # insertion sort, stable
-                v = run[a]
-                b = a
-                while b > 0 and votes[run[b - 1]] > votes[v]:
-                    run[b] = run[b - 1]
-                    b -= 1
-                run[b] = v
+        order[start[r] : start[r + 1]] = _sort_run(order[start[r] : start[r + 1]], votes)
     rank = np.empty(n)
     for k in range(n):
         rank[order[k]] = k
