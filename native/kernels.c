@@ -397,13 +397,13 @@ __attribute__((target("avx512f,avx512vnni"))) static bool edgekv_best_two_avx512
                                                                                    float * top, float * second,
                                                                                    int32_t * arg) {
     const int block = EDGEKV_TILES * EDGEKV_TILE_KEYS;
-    const int64_t r = sc != NULL ? EDGEKV_SCREEN_AXES : 0, groups = r / 4;  // the caller's axes, zeros past them
+    const int64_t r = sc != NULL ? EDGEKV_SCREEN_AXES : 0, groups = r / 4;
     edgekv_lanes st[EDGEKV_TILES * EDGEKV_TILE_KEYS];
     float lb[EDGEKV_TILES * EDGEKV_TILE_KEYS], scale[EDGEKV_TILES * EDGEKV_TILE_KEYS];
     float rest_x[EDGEKV_TILES * EDGEKV_TILE_KEYS], cut[EDGEKV_TILES * EDGEKV_TILE_KEYS];
     // one allocation: the block's keys transposed, then the screen's arrays
     const size_t bytes = sizeof(float) * block * d + sizeof(uint32_t) * block * groups + sizeof(float) * (r + 1) * cp +
-                         sizeof(int32_t) * cp + (size_t) r * cp + sizeof(float) * 32 * d + 64;
+                         sizeof(int32_t) * cp + (size_t) r * cp + sizeof(float) * 32 * d;
     float * xt = malloc(bytes);
     if (xt == NULL) {
         return false;
@@ -413,7 +413,7 @@ __attribute__((target("avx512f,avx512vnni"))) static bool edgekv_best_two_avx512
     float * rest_p = pa + r * cp;
     int32_t * corr = (int32_t *) (rest_p + cp);
     int8_t * qpt = (int8_t *) (corr + cp);
-    float * axes32 = (float *) (qpt + r * cp + 64 - (r * cp) % 64);  // the axes, 32 columns wide (zeros past r)
+    float * axes32 = (float *) (qpt + r * cp);  // the caller's axes, 32 columns wide (zeros past its r)
     for (int64_t k = 0; k < d && r > 0; k++) {
         for (int64_t a = 0; a < 32; a++) {
             axes32[k * 32 + a] = a < sc->r ? sc->axes[k * sc->r + a] : 0.0f;
