@@ -348,6 +348,7 @@ __attribute__((target("avx512f"))) static void edgekv_screen_prototypes(const fl
                                                                         double * pan, double * pmax) {
     float col[256];  // d <= 256 (the caller checks)
     float m = 0.0f;
+    *pmax = 0.0;
     for (int64_t j = 0; j < cp; j++) {
         for (int64_t k = 0; k < d; k++) {
             col[k] = pt[k * cp + j];
@@ -367,7 +368,6 @@ __attribute__((target("avx512f"))) static void edgekv_screen_prototypes(const fl
     *sp = s;
     *ep = 0.0;
     *pan = 0.0;
-    *pmax = 0.0;
     for (int64_t j = 0; j < cp; j++) {
         double e2 = 0.0, n2 = 0.0;
         int32_t sum = 0;
