@@ -568,11 +568,12 @@ def test_the_fused_kernel_runs_exactly_where_the_cpu_has_avx512(monkeypatch) -> 
 
 
 @pytest.mark.parametrize(("n", "c", "d"), [(1, 2, 64), (13, 31, 64), (500, 32, 64), (2049, 517, 64),
-                                           (300, 33, 128), (77, 100, 48), (40, 5, 3)])
+                                           (300, 33, 128), (77, 100, 48), (29, 40, 20), (40, 5, 3)])
 def test_the_fused_kernels_best_two_are_the_float32_products(n: int, c: int, d: int) -> None:
     """Top, second and the first best prototype per key: within float32's rounding of the
     float64 products, with every padded column of the kernel's last tile left out (c not a
-    multiple of 32, tiles of 12 keys cut short), and the earlier of two equal prototypes."""
+    multiple of 32, tiles of 12 keys cut short, channels past the last eight), and the
+    earlier of two equal prototypes."""
     from edgekv import kernels
 
     if not avx512_kernels():
