@@ -1601,6 +1601,68 @@ static void edgekv_score_softmax_avx2(const edgekv_score_head & a) {
 }
 
 
+// edgekv_exp_neg sixteen at a time: the same operations on every number, so the same floats
+__attribute__((target("avx512f")))
+static inline __m512 edgekv_exp_neg512(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.0f);
+    const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    x = _mm512_max_ps(x, lo);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mov_ps((__mmask16) ~under, _mm512_mul_ps(y, _mm512_castsi512_ps(e)));
+}
+
+// edgekv_score_softmax_avx2 sixteen cells at a time, with its floats: the denominator's
+// double sums take each group of eight in the AVX2 kernel's order
+__attribute__((target("avx512f")))
+static void edgekv_score_softmax_avx512(const edgekv_score_head & a) {
+    for (int32_t t = 0; t < a.n_q; ++t) {
+        const float * m16 = a.mx + 16*(size_t) t;
+        float m = m16[0];
+        for (int32_t j = 1; j < 16; ++j) {
+            m = m16[j] > m ? m16[j] : m;
+        }
+        if (m == -INFINITY) { // no cell visible to this query
+            continue;
+        }
+        float * row = a.lg + (size_t) t*a.n_pad;
+        const __m512 mv = _mm512_set1_ps(m);
+        __m256d sum0 = _mm256_setzero_pd(), sum1 = _mm256_setzero_pd();
+        for (int32_t i = 0; i < a.n_pad; i += 16) {
+            const __m512 p = edgekv_exp_neg512(_mm512_sub_ps(_mm512_loadu_ps(row + i), mv));
+            _mm512_storeu_ps(row + i, p);
+            sum0 = _mm256_add_pd(sum0, _mm256_cvtps_pd(_mm512_extractf32x4_ps(p, 0)));
+            sum1 = _mm256_add_pd(sum1, _mm256_cvtps_pd(_mm512_extractf32x4_ps(p, 1)));
+            sum0 = _mm256_add_pd(sum0, _mm256_cvtps_pd(_mm512_extractf32x4_ps(p, 2)));
+            sum1 = _mm256_add_pd(sum1, _mm256_cvtps_pd(_mm512_extractf32x4_ps(p, 3)));
+        }
+        double s4[4];
+        _mm256_storeu_pd(s4, _mm256_add_pd(sum0, sum1));
+        const __m512 inv = _mm512_set1_ps((float) (1.0/(s4[0] + s4[1] + s4[2] + s4[3])));
+        for (int32_t i = 0; i < a.n_pad; i += 16) {
+            _mm512_storeu_ps(a.acc + i, _mm512_fmadd_ps(_mm512_loadu_ps(row + i), inv, _mm512_loadu_ps(a.acc + i)));
+        }
+    }
+}
+
+static void edgekv_score_softmax(const edgekv_score_head & a, bool avx512) {
+    if (avx512) {
+        edgekv_score_softmax_avx512(a);
+    } else {
+        edgekv_score_softmax_avx2(a);
+    }
+}
+
 // The logits of cells c_lo..c_hi-1 (whole chunks; c_lo a chunk's start) for one (layer,
 // query head), and their running maxima: 8 queries a pass with AVX-512 (16 accumulators and
 // 8 maxima of 32), 6 with AVX2 (12 accumulators of 16 registers); about twice the
@@ -1618,22 +1680,60 @@ static void edgekv_score_logits(const edgekv_score_head & a, const float * q, co
 // One (layer, query head) whose keys kb holds whole: its logits, then its softmax into acc
 static void edgekv_score_one(const edgekv_score_head & a, const float * q, const llama_pos * q_pos, bool avx512) {
     edgekv_score_logits(a, q, q_pos, 0, a.n_pad, avx512);
-    edgekv_score_softmax_avx2(a);
+    edgekv_score_softmax(a, avx512);
 }
 
 // Cells c0..c1-1 of KV head h of layer tensor k as F32 blocks of 16 cells, channel-major
-// inside a block, from dst on; cells from n on are zeros (the padding)
+// inside a block, from dst on; cells from n on are zeros (the padding). c0 is a multiple of
+// 16. Eight cells at a time: their rows into rowf [8][hd] (the next eight rows prefetched:
+// the rows of one head lie apart, and a row read cold stalled the conversion), then 8 x 8
+// transposes in AVX registers into the blocks, where a scalar store per number took a
+// third of the conversion's time.
+__attribute__((target("avx2")))
 static void edgekv_score_convert(const llama_edgekv_kv & e, const ggml_tensor * k, int32_t h, int32_t c0, int32_t c1,
                                  int32_t n, float * rowf, float * dst) {
     const int32_t H = e.n_head_kv, hd = e.hd_k, L = EDGEKV_SCORE_LANES;
     const size_t row_bytes = ggml_row_size(k->type, hd);
-    for (int32_t i = c0; i < c1; ++i) {
-        if (i < n) {
-            edgekv_to_f32(k->type, (const uint8_t *) k->data + ((size_t) e.cells[i]*H + h)*row_bytes, rowf, hd);
+    const auto row = [&](int32_t i) { return (const uint8_t *) k->data + ((size_t) e.cells[i]*H + h)*row_bytes; };
+    for (int32_t i0 = c0; i0 < c1; i0 += 8) {
+        for (int32_t i = i0 + 8; i < std::min(i0 + 16, n); ++i) {
+            for (size_t b = 0; b < row_bytes; b += 64) {
+                _mm_prefetch((const char *) row(i) + b, _MM_HINT_T0);
+            }
         }
-        float * blk = dst + (size_t) ((i - c0)/L)*L*hd + i % L;
-        for (int32_t d = 0; d < hd; ++d) {
-            blk[(size_t) d*L] = i < n ? rowf[d] : 0.0f;
+        for (int32_t u = 0; u < 8; ++u) {
+            if (i0 + u < n) {
+                edgekv_to_f32(k->type, row(i0 + u), rowf + (size_t) u*hd, hd);
+            } else {
+                std::fill(rowf + (size_t) u*hd, rowf + (size_t) (u + 1)*hd, 0.0f);
+            }
+        }
+        float * blk = dst + (size_t) ((i0 - c0)/L)*L*hd + i0 % L;
+        int32_t d = 0;
+        for (; d + 8 <= hd; d += 8) { // rows u = 0..7, channels d..d+7 -> channels, cells u
+            __m256 r[8], t[8];
+            for (int32_t u = 0; u < 8; ++u) {
+                r[u] = _mm256_loadu_ps(rowf + (size_t) u*hd + d);
+            }
+            for (int32_t u = 0; u < 8; u += 2) {
+                t[u] = _mm256_unpacklo_ps(r[u], r[u + 1]);
+                t[u + 1] = _mm256_unpackhi_ps(r[u], r[u + 1]);
+            }
+            for (int32_t u = 0; u < 8; u += 4) {
+                r[u]     = _mm256_shuffle_ps(t[u], t[u + 2], 0x44);
+                r[u + 1] = _mm256_shuffle_ps(t[u], t[u + 2], 0xEE);
+                r[u + 2] = _mm256_shuffle_ps(t[u + 1], t[u + 3], 0x44);
+                r[u + 3] = _mm256_shuffle_ps(t[u + 1], t[u + 3], 0xEE);
+            }
+            for (int32_t j = 0; j < 4; ++j) { // channel d + j in the low halves, d + 4 + j in the high
+                _mm256_storeu_ps(blk + (size_t) (d + j)*L, _mm256_permute2f128_ps(r[j], r[j + 4], 0x20));
+                _mm256_storeu_ps(blk + (size_t) (d + 4 + j)*L, _mm256_permute2f128_ps(r[j], r[j + 4], 0x31));
+            }
+        }
+        for (; d < hd; ++d) {
+            for (int32_t u = 0; u < 8; ++u) {
+                blk[(size_t) d*L + u] = rowf[(size_t) u*hd + d];
+            }
         }
     }
 }
@@ -1698,9 +1798,9 @@ static bool edgekv_host_score(const llama_edgekv_kv & e, const std::vector<int32
                 const int32_t jj = item/H, h = item % H, l = todo[j0 + jj];
                 const int32_t chunk = std::min(EDGEKV_SCORE_CHUNK, n_pad);
                 const size_t n_lg = (size_t) n_q*n_pad + 16*(size_t) n_q; // one query head's logits and maxima
-                tmp.resize(((size_t) hd + (size_t) chunk*hd + group*n_lg)*sizeof(float));
+                tmp.resize(((size_t) 8*hd + (size_t) chunk*hd + group*n_lg)*sizeof(float));
                 float * rowf = (float *) tmp.data();
-                float * kc = rowf + hd;
+                float * kc = rowf + 8*hd;
                 float * lg = kc + (size_t) chunk*hd;
                 const float * b = bias_on ? bias[j0 + jj].data() + (size_t) h*n_pad : zeros.data();
                 std::vector<edgekv_score_head> heads;
@@ -1719,13 +1819,13 @@ static bool edgekv_host_score(const llama_edgekv_kv & e, const std::vector<int32
                     }
                 }
                 for (int32_t g = 0; g < group; ++g) {
-                    edgekv_score_softmax_avx2(heads[g]);
+                    edgekv_score_softmax(heads[g], avx512);
                 }
             });
         } else {
             ok = edgekv_host_parallel(nb*H, n_threads, [&](int32_t item, edgekv_scratch & tmp) {
                 const int32_t h = item % H, l = todo[j0 + item/H];
-                tmp.resize(hd*sizeof(float));
+                tmp.resize(8*hd*sizeof(float));
                 edgekv_score_convert(e, e.layers()[l].k, h, 0, n_pad, n, (float *) tmp.data(),
                                      kb.get() + (size_t) item*per_head);
             });
