@@ -754,6 +754,12 @@ static bool edgekv_host_read(const llama_edgekv_kv & e, int32_t il, int32_t n_la
             for (int32_t h = 0; h < H; ++h) {
                 for (int32_t i = 0; i < n; ++i) {
                     const uint8_t * row = (const uint8_t *) t->data + ((size_t) e.cells[i]*H + h)*row_bytes;
+                    if (i + 8 < n) { // the rows of one head lie apart: a row read cold stalls the conversion
+                        const uint8_t * ahead = (const uint8_t *) t->data + ((size_t) e.cells[i + 8]*H + h)*row_bytes;
+                        for (size_t off = 0; off < row_bytes; off += 64) {
+                            __builtin_prefetch(ahead + off);
+                        }
+                    }
                     edgekv_to_f32(t->type, row, out + ((size_t) h*n + i)*hd, hd);
                     if (rot && (i % 64 == 63 || i == n - 1)) { // unrotated while the rows are in cache
                         const int32_t i0 = i/64*64;
