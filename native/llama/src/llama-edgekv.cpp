@@ -1396,26 +1396,91 @@ struct edgekv_score_head {
     float         * acc;   // [n_pad] += the query head's attention, summed over queries
 };
 
-// exp(x) for x <= 0, eight at a time: Cody-Waite reduction by ln 2 and a degree-5 polynomial
+// The softmax's arithmetic on eight floats (AVX2 and FMA) or sixteen (AVX-512), one
+// intrinsic per operation: both widths run the same operations on every number, so they
+// give the same floats. The denominator's double sums take each group of eight floats in
+// two halves, sum0 and sum1, in the same order at both widths.
+struct edgekv_sums {
+    __m256d sum0, sum1;
+    __attribute__((target("avx2"))) static void zero(edgekv_sums & s) { s.sum0 = s.sum1 = _mm256_setzero_pd(); }
+    __attribute__((target("avx2"))) static void add(edgekv_sums & s, __m128 lo, __m128 hi) { // one group of eight
+        s.sum0 = _mm256_add_pd(s.sum0, _mm256_cvtps_pd(lo));
+        s.sum1 = _mm256_add_pd(s.sum1, _mm256_cvtps_pd(hi));
+    }
+    __attribute__((target("avx2"))) static double total(const edgekv_sums & s) {
+        double s4[4];
+        _mm256_storeu_pd(s4, _mm256_add_pd(s.sum0, s.sum1));
+        return s4[0] + s4[1] + s4[2] + s4[3];
+    }
+};
+
+// The operations both widths spell alike (_mm256_add_ps, _mm512_add_ps, ...), as ggml's
+// GGML_F32x8 / GGML_F32x16 macros do; T is the width's target attribute
+#define EDGEKV_F32_OPS(T, W)                                                                                       \
+    T static reg set1(float v) { return _mm##W##_set1_ps(v); }                                                    \
+    T static reg load(const float * p) { return _mm##W##_loadu_ps(p); }                                           \
+    T static void store(float * p, reg v) { _mm##W##_storeu_ps(p, v); }                                           \
+    T static reg add(reg a, reg b) { return _mm##W##_add_ps(a, b); }                                              \
+    T static reg sub(reg a, reg b) { return _mm##W##_sub_ps(a, b); }                                              \
+    T static reg mul(reg a, reg b) { return _mm##W##_mul_ps(a, b); }                                              \
+    T static reg max(reg a, reg b) { return _mm##W##_max_ps(a, b); }                                              \
+    T static reg fmadd(reg a, reg b, reg c) { return _mm##W##_fmadd_ps(a, b, c); }                                \
+    T static reg fnmadd(reg a, reg b, reg c) { return _mm##W##_fnmadd_ps(a, b, c); }                              \
+    /* 2^n for whole numbers n in the exponent's range */                                                         \
+    T static reg pow2(reg n) {                                                                                     \
+        return _mm##W##_castsi##W##_ps(                                                                            \
+            _mm##W##_slli_epi32(_mm##W##_add_epi32(_mm##W##_cvtps_epi32(n), _mm##W##_set1_epi32(127)), 23));      \
+    }
+
+struct edgekv_f32x8 {
+    typedef __m256 reg;
+    typedef __m256 mask;
+    static constexpr int W = 8;
+    EDGEKV_F32_OPS(__attribute__((target("avx2,fma"))), 256)
+    __attribute__((target("avx2,fma"))) static reg round(reg x) {
+        return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    }
+    __attribute__((target("avx2,fma"))) static mask less(reg a, reg b) { return _mm256_cmp_ps(a, b, _CMP_LT_OQ); }
+    __attribute__((target("avx2,fma"))) static reg zero_where(mask m, reg v) { return _mm256_andnot_ps(m, v); }
+    __attribute__((target("avx2,fma"))) static void sum(reg p, edgekv_sums & s) {
+        edgekv_sums::add(s, _mm256_castps256_ps128(p), _mm256_extractf128_ps(p, 1));
+    }
+};
+
+struct edgekv_f32x16 {
+    typedef __m512 reg;
+    typedef __mmask16 mask;
+    static constexpr int W = 16;
+    EDGEKV_F32_OPS(__attribute__((target("avx512f"))), 512)
+    __attribute__((target("avx512f"))) static reg round(reg x) {
+        return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    }
+    __attribute__((target("avx512f"))) static mask less(reg a, reg b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
+    __attribute__((target("avx512f"))) static reg zero_where(mask m, reg v) { return _mm512_maskz_mov_ps((mask) ~m, v); }
+    __attribute__((target("avx512f"))) static void sum(reg p, edgekv_sums & s) {
+        edgekv_sums::add(s, _mm512_extractf32x4_ps(p, 0), _mm512_extractf32x4_ps(p, 1)); // the first eight
+        edgekv_sums::add(s, _mm512_extractf32x4_ps(p, 2), _mm512_extractf32x4_ps(p, 3)); // the second eight
+    }
+};
+
+// exp(x) for x <= 0, in place: Cody-Waite reduction by ln 2 and a degree-5 polynomial
 // (Cephes' expf coefficients, within 2 ulp); below -87 (and for -inf) exactly 0
-__attribute__((target("avx2,fma")))
-static inline __m256 edgekv_exp_neg(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.0f);
-    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, lo);
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+template <class V>
+static inline void edgekv_exp_neg(typename V::reg & x) {
+    const typename V::reg lo = V::set1(-87.0f);
+    const typename V::mask under = V::less(x, lo);
+    x = V::max(x, lo);
+    const typename V::reg n = V::round(V::mul(x, V::set1(1.44269504088896341f)));
+    x = V::fnmadd(n, V::set1(0.693359375f), x);
+    x = V::fnmadd(n, V::set1(-2.12194440e-4f), x);
+    typename V::reg y = V::set1(1.9875691500e-4f);
+    y = V::fmadd(y, x, V::set1(1.3981999507e-3f));
+    y = V::fmadd(y, x, V::set1(8.3334519073e-3f));
+    y = V::fmadd(y, x, V::set1(4.1665795894e-2f));
+    y = V::fmadd(y, x, V::set1(1.6666665459e-1f));
+    y = V::fmadd(y, x, V::set1(5.0000001201e-1f));
+    y = V::fmadd(y, V::mul(x, x), V::add(x, V::set1(1.0f)));
+    x = V::zero_where(under, V::mul(y, V::pow2(n)));
 }
 
 // Both kernels' passes over one (layer, query head): the cells in chunks whose keys stay in
@@ -1577,88 +1642,42 @@ struct edgekv_score_pass_avx512 {
 
 // The softmax of each query's logits (its maximum from the 16 running lanes) added to acc;
 // the denominator summed in double in a fixed order of lanes
-__attribute__((target("avx2,fma")))
+template <class V>
+static void edgekv_score_softmax_in(const edgekv_score_head & a) {
+    for (int32_t t = 0; t < a.n_q; ++t) {
+        const float * m16 = a.mx + 16*(size_t) t;
+        float m = m16[0];
+        for (int32_t j = 1; j < 16; ++j) {
+            m = m16[j] > m ? m16[j] : m;
+        }
+        if (m == -INFINITY) { // no cell visible to this query
+            continue;
+        }
+        float * row = a.lg + (size_t) t*a.n_pad;
+        const typename V::reg mv = V::set1(m);
+        edgekv_sums sums;
+        edgekv_sums::zero(sums);
+        for (int32_t i = 0; i < a.n_pad; i += V::W) {
+            typename V::reg p = V::sub(V::load(row + i), mv);
+            edgekv_exp_neg<V>(p);
+            V::store(row + i, p);
+            V::sum(p, sums);
+        }
+        const typename V::reg inv = V::set1((float) (1.0/edgekv_sums::total(sums)));
+        for (int32_t i = 0; i < a.n_pad; i += V::W) {
+            V::store(a.acc + i, V::fmadd(V::load(row + i), inv, V::load(a.acc + i)));
+        }
+    }
+}
+
+__attribute__((target("avx2,fma"), flatten))
 static void edgekv_score_softmax_avx2(const edgekv_score_head & a) {
-    for (int32_t t = 0; t < a.n_q; ++t) {
-        const float * m16 = a.mx + 16*(size_t) t;
-        float m = m16[0];
-        for (int32_t j = 1; j < 16; ++j) {
-            m = m16[j] > m ? m16[j] : m;
-        }
-        if (m == -INFINITY) { // no cell visible to this query
-            continue;
-        }
-        float * row = a.lg + (size_t) t*a.n_pad;
-        const __m256 mv = _mm256_set1_ps(m);
-        __m256d sum0 = _mm256_setzero_pd(), sum1 = _mm256_setzero_pd();
-        for (int32_t i = 0; i < a.n_pad; i += 8) {
-            const __m256 p = edgekv_exp_neg(_mm256_sub_ps(_mm256_loadu_ps(row + i), mv));
-            _mm256_storeu_ps(row + i, p);
-            sum0 = _mm256_add_pd(sum0, _mm256_cvtps_pd(_mm256_castps256_ps128(p)));
-            sum1 = _mm256_add_pd(sum1, _mm256_cvtps_pd(_mm256_extractf128_ps(p, 1)));
-        }
-        double s4[4];
-        _mm256_storeu_pd(s4, _mm256_add_pd(sum0, sum1));
-        const __m256 inv = _mm256_set1_ps((float) (1.0/(s4[0] + s4[1] + s4[2] + s4[3])));
-        for (int32_t i = 0; i < a.n_pad; i += 8) {
-            _mm256_storeu_ps(a.acc + i, _mm256_fmadd_ps(_mm256_loadu_ps(row + i), inv, _mm256_loadu_ps(a.acc + i)));
-        }
-    }
+    edgekv_score_softmax_in<edgekv_f32x8>(a);
 }
 
-
-// edgekv_exp_neg sixteen at a time: the same operations on every number, so the same floats
-__attribute__((target("avx512f")))
-static inline __m512 edgekv_exp_neg512(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(-87.0f);
-    const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-    x = _mm512_max_ps(x, lo);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mov_ps((__mmask16) ~under, _mm512_mul_ps(y, _mm512_castsi512_ps(e)));
-}
-
-// edgekv_score_softmax_avx2 sixteen cells at a time, with its floats: the denominator's
-// double sums take each group of eight in the AVX2 kernel's order
-__attribute__((target("avx512f")))
+__attribute__((target("avx512f"), flatten))
 static void edgekv_score_softmax_avx512(const edgekv_score_head & a) {
-    for (int32_t t = 0; t < a.n_q; ++t) {
-        const float * m16 = a.mx + 16*(size_t) t;
-        float m = m16[0];
-        for (int32_t j = 1; j < 16; ++j) {
-            m = m16[j] > m ? m16[j] : m;
-        }
-        if (m == -INFINITY) { // no cell visible to this query
-            continue;
-        }
-        float * row = a.lg + (size_t) t*a.n_pad;
-        const __m512 mv = _mm512_set1_ps(m);
-        __m256d sum0 = _mm256_setzero_pd(), sum1 = _mm256_setzero_pd();
-        for (int32_t i = 0; i < a.n_pad; i += 16) {
-            const __m512 p = edgekv_exp_neg512(_mm512_sub_ps(_mm512_loadu_ps(row + i), mv));
-            _mm512_storeu_ps(row + i, p);
-            sum0 = _mm256_add_pd(sum0, _mm256_cvtps_pd(_mm512_extractf32x4_ps(p, 0)));
-            sum1 = _mm256_add_pd(sum1, _mm256_cvtps_pd(_mm512_extractf32x4_ps(p, 1)));
-            sum0 = _mm256_add_pd(sum0, _mm256_cvtps_pd(_mm512_extractf32x4_ps(p, 2)));
-            sum1 = _mm256_add_pd(sum1, _mm256_cvtps_pd(_mm512_extractf32x4_ps(p, 3)));
-        }
-        double s4[4];
-        _mm256_storeu_pd(s4, _mm256_add_pd(sum0, sum1));
-        const __m512 inv = _mm512_set1_ps((float) (1.0/(s4[0] + s4[1] + s4[2] + s4[3])));
-        for (int32_t i = 0; i < a.n_pad; i += 16) {
-            _mm512_storeu_ps(a.acc + i, _mm512_fmadd_ps(_mm512_loadu_ps(row + i), inv, _mm512_loadu_ps(a.acc + i)));
-        }
-    }
+    edgekv_score_softmax_in<edgekv_f32x16>(a);
 }
 
 static void edgekv_score_softmax(const edgekv_score_head & a, bool avx512) {
