@@ -755,10 +755,7 @@ static bool edgekv_host_read(const llama_edgekv_kv & e, int32_t il, int32_t n_la
                 for (int32_t i = 0; i < n; ++i) {
                     const uint8_t * row = (const uint8_t *) t->data + ((size_t) e.cells[i]*H + h)*row_bytes;
                     if (i + 8 < n) { // the rows of one head lie apart: a row read cold stalls the conversion
-                        const uint8_t * ahead = (const uint8_t *) t->data + ((size_t) e.cells[i + 8]*H + h)*row_bytes;
-                        for (size_t off = 0; off < row_bytes; off += 64) {
-                            __builtin_prefetch(ahead + off);
-                        }
+                        edgekv_prefetch((const uint8_t *) t->data + ((size_t) e.cells[i + 8]*H + h)*row_bytes, row_bytes);
                     }
                     edgekv_to_f32(t->type, row, out + ((size_t) h*n + i)*hd, hd);
                     if (rot && (i % 64 == 63 || i == n - 1)) { // unrotated while the rows are in cache
@@ -1722,9 +1719,7 @@ static void edgekv_score_convert(const llama_edgekv_kv & e, const ggml_tensor * 
     const auto row = [&](int32_t i) { return (const uint8_t *) k->data + ((size_t) e.cells[i]*H + h)*row_bytes; };
     for (int32_t i0 = c0; i0 < c1; i0 += 8) {
         for (int32_t i = i0 + 8; i < std::min(i0 + 16, n); ++i) {
-            for (size_t b = 0; b < row_bytes; b += 64) {
-                _mm_prefetch((const char *) row(i) + b, _MM_HINT_T0);
-            }
+            edgekv_prefetch(row(i), row_bytes);
         }
         for (int32_t u = 0; u < 8; ++u) {
             if (i0 + u < n) {
