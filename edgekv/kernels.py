@@ -36,9 +36,20 @@ def _module():
 
 
 def _runnable():
-    """The built module where its kernels can run now (AVX-512 with VNNI, not EDGEKV_CPU=avx2), else None."""
+    """The built module where its kernels can run now (AVX-512 with VNNI, or AVX2 with FMA), else None."""
     m = _module()
     return None if m is None or m.lib.edgekv_kernel_isa() == _UNSUPPORTED else m
+
+
+def isa() -> str | None:
+    """The instruction set the kernels run now: "avx512" (AVX-512 with VNNI, not under
+    ``EDGEKV_CPU=avx2``), "avx2" (AVX2 with FMA), or None (not built, or neither). Read at
+    each call, so that ``EDGEKV_CPU`` set in a running process takes effect."""
+    m = _runnable()
+    return None if m is None else {_AVX2: "avx2", _AVX512: "avx512"}[m.lib.edgekv_kernel_isa()]
+
+
+_AVX2, _AVX512 = 1, 2
 
 
 def best_two(x: np.ndarray, protos: np.ndarray, *, axes: np.ndarray | None = None) -> BestTwo | None:
@@ -52,7 +63,9 @@ def best_two(x: np.ndarray, protos: np.ndarray, *, axes: np.ndarray | None = Non
     row's best so far is left out (``native/kernels.h`` says why the answer stands).
 
     The products are summed in any order, so their rounding is the caller's to bound.
-    None where the kernel cannot run (not built, no AVX-512 with VNNI, ``EDGEKV_CPU=avx2``).
+    None where the kernel cannot run: not built, or no AVX-512 with VNNI (``EDGEKV_CPU=avx2``
+    acts as none) and no screen; the screened kernel runs on AVX2 with FMA too, with the
+    screen in float32 instead of bytes.
     A row with a NaN or an infinity gets a top or second that is not finite, never a
     finite wrong answer; ``protos`` must be finite (the caller checks)."""
     m = _runnable()
@@ -98,8 +111,8 @@ def _padded_columns(rows: np.ndarray, cp: int) -> np.ndarray:
 def irregularity(x: np.ndarray, bounds: np.ndarray) -> np.ndarray | None:
     """float64 [n]: ProtoKV's irregularity of each row of the float32 ``x`` [n, d] in its
     chunk (``methods.protokv.irregularity``, the same floats: numpy's sums in numpy's
-    order). None where the kernel cannot run: not built, no AVX-512 with VNNI, or a head size that
-    numpy sums in more than one block (d < 8 or d > 128)."""
+    order). None where the kernel cannot run: not built, neither AVX-512 with VNNI nor AVX2
+    with FMA, or a head size that numpy sums in more than one block (d < 8 or d > 128)."""
     m = _runnable()
     if m is None:
         return None

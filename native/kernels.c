@@ -1,10 +1,11 @@
 // Host kernels for edgekv's methods that need no llama.cpp: they run over numpy arrays on
-// either engine. Each runs where the CPU has AVX-512 with VNNI (checked per call: Intel
-// since Cascade Lake, AMD since Zen 4); elsewhere, and
-// under EDGEKV_CPU=avx2 (as an AVX2-only CPU would), a call returns
-// EDGEKV_KERNEL_UNSUPPORTED and the caller keeps its numpy path. An AVX2 body of
-// edgekv_best_two (6 keys by 16 prototypes) ran at 58 GFLOP/s on the Xeon, slower than
-// numpy's BLAS products there, so AVX2 CPUs keep the BLAS.
+// either engine. Each has a body for AVX-512 with VNNI (checked per call: Intel since
+// Cascade Lake, AMD since Zen 4) and one for AVX2 with FMA (AMD since Zen 1, Intel since
+// Haswell), which an AVX-512 CPU runs under EDGEKV_CPU=avx2. Elsewhere a call returns
+// EDGEKV_KERNEL_UNSUPPORTED and the caller keeps its numpy path. The unscreened
+// edgekv_best_two has no AVX2 body: one (6 keys by 16 prototypes) ran at 58 GFLOP/s on
+// the Xeon, slower than numpy's BLAS products there; the screen skips most products and
+// so pays on AVX2 as well.
 
 #include "kernels.h"
 
@@ -526,16 +527,9 @@ __attribute__((target("avx512f,avx512vnni"))) static bool edgekv_best_two_avx512
 
 
 // numpy's pairwise sum of the n float64 numbers at p, for 8 <= n <= 128 (one of numpy's
-// blocks): eight interleaved partial sums (lane j of one vector adds p[j], p[j + 8], ...),
-// then ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7)), then the rest in order.
-__attribute__((target("avx512f"))) static inline double edgekv_np_block_sum(const double * p, int n) {
-    __m512d r = _mm512_loadu_pd(p);
-    int m = 8;
-    for (; m + 8 <= n; m += 8) {
-        r = _mm512_add_pd(r, _mm512_loadu_pd(p + m));
-    }
-    double l[8];
-    _mm512_storeu_pd(l, r);
+// blocks): eight interleaved partial sums (lane j adds p[j], p[j + 8], ...), then
+// ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7)), then the rest in order.
+static inline double edgekv_np_tree(const double l[8], const double * p, int m, int n) {
     double s = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
     for (; m < n; m++) {
         s += p[m];
@@ -543,9 +537,88 @@ __attribute__((target("avx512f"))) static inline double edgekv_np_block_sum(cons
     return s;
 }
 
-__attribute__((target("avx512f"))) static void edgekv_irregularity_avx512(const float * x, int64_t d,
-                                                                           const int64_t * bounds, int64_t n_chunks,
-                                                                           double * mu, double * acc, double * delta) {
+// A row's squared norm and its product with mu, numpy's way: eight lanes of float64
+// products (each rounded before it is added), folded as edgekv_np_tree, the rest in order
+static inline void edgekv_np_row_tail(const double a[8], const double b[8], const float * row, const double * mu,
+                                      int64_t k, int64_t d, double * ssq, double * sdot) {
+    *ssq = edgekv_np_tree(a, NULL, 0, 0);
+    *sdot = edgekv_np_tree(b, NULL, 0, 0);
+    for (; k < d; k++) {
+        *ssq += (double) row[k] * (double) row[k];
+        *sdot += (double) row[k] * mu[k];
+    }
+}
+
+__attribute__((target("avx512f"))) static inline double edgekv_np_block_sum512(const double * p, int n) {
+    __m512d r = _mm512_loadu_pd(p);
+    int m = 8;
+    for (; m + 8 <= n; m += 8) {
+        r = _mm512_add_pd(r, _mm512_loadu_pd(p + m));
+    }
+    double l[8];
+    _mm512_storeu_pd(l, r);
+    return edgekv_np_tree(l, p, m, n);
+}
+
+__attribute__((target("avx512f"))) static inline void edgekv_np_row512(const float * row, const double * mu, int64_t d,
+                                                                       double * ssq, double * sdot) {
+    __m512d v = _mm512_cvtps_pd(_mm256_loadu_ps(row));
+    __m512d sq = _mm512_mul_pd(v, v);
+    __m512d dot = _mm512_mul_pd(v, _mm512_loadu_pd(mu));
+    int64_t k = 8;
+    for (; k + 8 <= d; k += 8) {
+        v = _mm512_cvtps_pd(_mm256_loadu_ps(row + k));
+        sq = _mm512_add_pd(sq, _mm512_mul_pd(v, v));
+        dot = _mm512_add_pd(dot, _mm512_mul_pd(v, _mm512_loadu_pd(mu + k)));
+    }
+    double a[8], b[8];
+    _mm512_storeu_pd(a, sq);
+    _mm512_storeu_pd(b, dot);
+    edgekv_np_row_tail(a, b, row, mu, k, d, ssq, sdot);
+}
+
+// The same eight lanes as two 256-bit halves
+__attribute__((target("avx2"))) static inline double edgekv_np_block_sum256(const double * p, int n) {
+    __m256d r0 = _mm256_loadu_pd(p), r1 = _mm256_loadu_pd(p + 4);
+    int m = 8;
+    for (; m + 8 <= n; m += 8) {
+        r0 = _mm256_add_pd(r0, _mm256_loadu_pd(p + m));
+        r1 = _mm256_add_pd(r1, _mm256_loadu_pd(p + m + 4));
+    }
+    double l[8];
+    _mm256_storeu_pd(l, r0);
+    _mm256_storeu_pd(l + 4, r1);
+    return edgekv_np_tree(l, p, m, n);
+}
+
+__attribute__((target("avx2"))) static inline void edgekv_np_row256(const float * row, const double * mu, int64_t d,
+                                                                    double * ssq, double * sdot) {
+    __m256d v0 = _mm256_cvtps_pd(_mm_loadu_ps(row)), v1 = _mm256_cvtps_pd(_mm_loadu_ps(row + 4));
+    __m256d sq0 = _mm256_mul_pd(v0, v0), sq1 = _mm256_mul_pd(v1, v1);
+    __m256d dot0 = _mm256_mul_pd(v0, _mm256_loadu_pd(mu)), dot1 = _mm256_mul_pd(v1, _mm256_loadu_pd(mu + 4));
+    int64_t k = 8;
+    for (; k + 8 <= d; k += 8) {
+        v0 = _mm256_cvtps_pd(_mm_loadu_ps(row + k));
+        v1 = _mm256_cvtps_pd(_mm_loadu_ps(row + k + 4));
+        sq0 = _mm256_add_pd(sq0, _mm256_mul_pd(v0, v0));
+        sq1 = _mm256_add_pd(sq1, _mm256_mul_pd(v1, v1));
+        dot0 = _mm256_add_pd(dot0, _mm256_mul_pd(v0, _mm256_loadu_pd(mu + k)));
+        dot1 = _mm256_add_pd(dot1, _mm256_mul_pd(v1, _mm256_loadu_pd(mu + k + 4)));
+    }
+    double a[8], b[8];
+    _mm256_storeu_pd(a, sq0);
+    _mm256_storeu_pd(a + 4, sq1);
+    _mm256_storeu_pd(b, dot0);
+    _mm256_storeu_pd(b + 4, dot1);
+    edgekv_np_row_tail(a, b, row, mu, k, d, ssq, sdot);
+}
+
+// edgekv_irregularity's pass, written once: each ISA's wrapper inlines it with its own
+// block sum and row products (constants there, so the calls are inlined too)
+__attribute__((always_inline)) static inline void edgekv_irregularity_chunks(
+        const float * x, int64_t d, const int64_t * bounds, int64_t n_chunks, double * mu, double * acc, double * delta,
+        double (*block_sum)(const double *, int),
+        void (*row_products)(const float *, const double *, int64_t, double *, double *)) {
     for (int64_t i = 0; i < n_chunks; i++) {
         const int64_t lo = bounds[i], hi = bounds[i + 1];
         const double size = (double) (hi - lo);
@@ -566,37 +639,314 @@ __attribute__((target("avx512f"))) static void edgekv_irregularity_avx512(const 
                 acc[k] = t == lo ? e * e : acc[k] + e * e;
             }
         }
-        const double spread = sqrt(edgekv_np_block_sum(acc, (int) d) / size);  // ||sigma||
+        const double spread = sqrt(block_sum(acc, (int) d) / size);  // ||sigma||
         for (int64_t k = 0; k < d; k++) {  // acc is free again: mu's squares
             acc[k] = mu[k] * mu[k];
         }
-        const double mu_norm = sqrt(edgekv_np_block_sum(acc, (int) d));
+        const double mu_norm = sqrt(block_sum(acc, (int) d));
         for (int64_t t = lo; t < hi; t++) {  // the row's squared norm and its product with mu, side by side
-            const float * row = x + t * d;
-            __m512d v = _mm512_cvtps_pd(_mm256_loadu_ps(row));
-            const __m512d m0 = _mm512_loadu_pd(mu);
-            __m512d sq = _mm512_mul_pd(v, v);
-            __m512d dot = _mm512_mul_pd(v, m0);
-            int64_t k = 8;
-            for (; k + 8 <= d; k += 8) {
-                v = _mm512_cvtps_pd(_mm256_loadu_ps(row + k));
-                sq = _mm512_add_pd(sq, _mm512_mul_pd(v, v));
-                dot = _mm512_add_pd(dot, _mm512_mul_pd(v, _mm512_loadu_pd(mu + k)));
-            }
-            double a[8], b[8];
-            _mm512_storeu_pd(a, sq);
-            _mm512_storeu_pd(b, dot);
-            double ssq = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
-            double sdot = ((b[0] + b[1]) + (b[2] + b[3])) + ((b[4] + b[5]) + (b[6] + b[7]));
-            for (; k < d; k++) {
-                ssq += (double) row[k] * (double) row[k];
-                sdot += (double) row[k] * mu[k];
-            }
+            double ssq, sdot;
+            row_products(x + t * d, mu, d, &ssq, &sdot);
             const double den = sqrt(ssq) * mu_norm;
             const double cos = den > 0 ? sdot / den : 0.0;
             delta[t] = spread > 0 ? (1.0 - cos) / spread : 0.0;
         }
     }
+}
+
+__attribute__((target("avx512f"))) static void edgekv_irregularity_avx512(const float * x, int64_t d,
+                                                                           const int64_t * bounds, int64_t n_chunks,
+                                                                           double * mu, double * acc, double * delta) {
+    edgekv_irregularity_chunks(x, d, bounds, n_chunks, mu, acc, delta, edgekv_np_block_sum512, edgekv_np_row512);
+}
+
+__attribute__((target("avx2"))) static void edgekv_irregularity_avx2(const float * x, int64_t d,
+                                                                      const int64_t * bounds, int64_t n_chunks,
+                                                                      double * mu, double * acc, double * delta) {
+    edgekv_irregularity_chunks(x, d, bounds, n_chunks, mu, acc, delta, edgekv_np_block_sum256, edgekv_np_row256);
+}
+
+// AVX2 with FMA: the screened edgekv_best_two and edgekv_irregularity for CPUs without
+// AVX-512 (AMD before Zen 4, most Intel desktops). Without VNNI the screen runs in float32:
+// each key and prototype in the r principal axes, products over those r channels with
+// FMAs (r / 64 of a full product at d = 64), and the same bounds for what the other
+// channels and the roundings can add, with no bytes' error to add. A tile is 6 keys by 16
+// prototypes, 12 accumulators of the 16 registers. Without a screen the kernel declines:
+// numpy's BLAS products are as fast as this tile's (edgekv_best_two's header).
+#define EDGEKV_TILE2_KEYS 6
+// Keys a block holds (8 tiles): a 16-prototype half of pt (4 KiB at d = 64) and of the
+// screen's rotated prototypes stays in L1 while the block's tiles pass over it.
+#define EDGEKV_BLOCK2 48
+
+// acc[i][h] = sum over k < d of xs[i][k] * P[k * ld + 8 h + lane]: six rows (each d
+// floats) against 16 columns of P, channel by channel. The accumulators are named
+// variables, not an array: GCC stored an array's twelve back to memory at every channel
+// (a float load from xs might alias them), which halved the tile's speed.
+#define EDGEKV_ROW256(i)                                   \
+    do {                                                   \
+        const __m256 xb = _mm256_broadcast_ss(x##i + k);   \
+        a##i##0 = _mm256_fmadd_ps(xb, p0, a##i##0);        \
+        a##i##1 = _mm256_fmadd_ps(xb, p1, a##i##1);        \
+    } while (0)
+
+__attribute__((target("avx2,fma"), always_inline)) static inline void edgekv_products256(
+        const float * const xs[EDGEKV_TILE2_KEYS], int64_t d, const float * P, int64_t ld, __m256 acc[EDGEKV_TILE2_KEYS][2]) {
+    const float *x0 = xs[0], *x1 = xs[1], *x2 = xs[2], *x3 = xs[3], *x4 = xs[4], *x5 = xs[5];
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
+    __m256 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
+    for (int64_t k = 0; k < d; k++, P += ld) {
+        const __m256 p0 = _mm256_loadu_ps(P), p1 = _mm256_loadu_ps(P + 8);
+        EDGEKV_ROW256(0);
+        EDGEKV_ROW256(1);
+        EDGEKV_ROW256(2);
+        EDGEKV_ROW256(3);
+        EDGEKV_ROW256(4);
+        EDGEKV_ROW256(5);
+    }
+    acc[0][0] = a00, acc[0][1] = a01, acc[1][0] = a10, acc[1][1] = a11, acc[2][0] = a20, acc[2][1] = a21;
+    acc[3][0] = a30, acc[3][1] = a31, acc[4][0] = a40, acc[4][1] = a41, acc[5][0] = a50, acc[5][1] = a51;
+}
+
+// An upper bound on the squared norm of v [d]: float32 squares are exact in double, and
+// d <= 256 of them summed in double are within 2^-45 of the exact sum
+__attribute__((target("avx2,fma"), always_inline)) static inline double edgekv_sqnorm256(const float * v, int64_t d) {
+    __m256d a = _mm256_setzero_pd();
+    int64_t k = 0;
+    for (; k + 4 <= d; k += 4) {
+        const __m256d w = _mm256_cvtps_pd(_mm_loadu_ps(v + k));
+        a = _mm256_fmadd_pd(w, w, a);
+    }
+    double l[4];
+    _mm256_storeu_pd(l, a);
+    double n2 = (l[0] + l[1]) + (l[2] + l[3]);
+    for (; k < d; k++) {
+        n2 += (double) v[k] * v[k];
+    }
+    return n2 * (1.0 + 0x1p-40);
+}
+
+// One key's products with the 8 prototypes at P (channel k at P + k * ld), in eight
+// chains: a screened survivor is computed alone, and one chain's latency would set the pace
+__attribute__((target("avx2,fma"), always_inline)) static inline __m256 edgekv_product256(const float * x, int64_t d,
+                                                                                        const float * P, int64_t ld) {
+    __m256 a[8];
+    for (int u = 0; u < 8; u++) {
+        a[u] = _mm256_setzero_ps();
+    }
+    int64_t k = 0;
+    for (; k + 8 <= d; k += 8) {
+#pragma GCC unroll 8
+        for (int u = 0; u < 8; u++) {
+            a[u] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + k + u), _mm256_loadu_ps(P + (k + u) * ld), a[u]);
+        }
+    }
+    for (; k < d; k++) {
+        a[0] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + k), _mm256_loadu_ps(P + k * ld), a[0]);
+    }
+    return _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])),
+                         _mm256_add_ps(_mm256_add_ps(a[4], a[5]), _mm256_add_ps(a[6], a[7])));
+}
+
+// edgekv_update512 on 8 lanes: v above the lane's top (ordered) takes its place, the old
+// top becomes second; otherwise second = max(second, v), a NaN v included
+__attribute__((target("avx2"), always_inline)) static inline float edgekv_update256(__m256 v, __m256i idx, float * top,
+                                                                                   float * second, int32_t * arg) {
+    const __m256 t = _mm256_loadu_ps(top), s = _mm256_loadu_ps(second);
+    const __m256 a = _mm256_loadu_ps((const float *) arg);
+    const __m256 gt = _mm256_cmp_ps(v, t, _CMP_GT_OQ);
+    _mm256_storeu_ps(second, _mm256_blendv_ps(_mm256_max_ps(s, v), t, gt));
+    _mm256_storeu_ps(top, _mm256_blendv_ps(t, v, gt));
+    _mm256_storeu_ps((float *) arg, _mm256_blendv_ps(a, _mm256_castsi256_ps(idx), gt));
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));  // the largest, for the bound
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+// Lanes 0..7 set where prototype j + lane exists (columns past c score -inf)
+__attribute__((target("avx2"), always_inline)) static inline __m256 edgekv_valid256(int64_t j, int64_t c) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int32_t) (c - j)), lane));
+}
+
+__attribute__((target("avx2,fma"))) static bool edgekv_best_two_avx2(const float * x, int64_t n, int64_t d,
+                                                                    const float * pt, int64_t c, int64_t cp,
+                                                                    struct edgekv_screen * sc, float * top,
+                                                                    float * second, int32_t * arg) {
+    const int64_t r = sc->r;
+    const int64_t rw = r <= 16 ? 16 : 32;  // the rotated rows' width: whole 16-column tiles
+    edgekv_lanes st[EDGEKV_BLOCK2];
+    float lb[EDGEKV_BLOCK2], rest_x[EDGEKV_BLOCK2], cut[EDGEKV_BLOCK2];
+    // one allocation: the axes (rw columns, zeros past r), the keys of a block in the axes,
+    // the prototypes in the axes (channel-major, like pt) and their rest norms
+    const size_t floats = (size_t) d * rw + (size_t) EDGEKV_BLOCK2 * rw + (size_t) r * cp + cp + (size_t) (EDGEKV_TILE2_KEYS + 1) * d;
+    float * axes = malloc(sizeof(float) * floats);
+    if (axes == NULL) {
+        return false;
+    }
+    float * xa = axes + d * rw;
+    float * pa = xa + EDGEKV_BLOCK2 * rw;
+    float * rest_p = pa + r * cp;
+    float * cols = rest_p + cp;  // six prototypes' columns
+    float * zero_row = cols + EDGEKV_TILE2_KEYS * d;  // stands in for a short tile's missing keys (read, never used)
+    for (int64_t k = 0; k < d; k++) {
+        for (int64_t a = 0; a < rw; a++) {
+            axes[k * rw + a] = a < r ? sc->axes[k * r + a] : 0.0f;
+        }
+    }
+    // A rotated row's error over its norm, as edgekv_best_two_avx512 has it
+    const double rot = (double) (d + 1) * EDGEKV_EPS * sqrt((double) r) * 1.01;
+    double pmax = 0.0;
+    for (int64_t j0 = 0; j0 < cp; j0 += EDGEKV_TILE2_KEYS) {  // the prototypes in the axes, six at a time
+        const float * cs[EDGEKV_TILE2_KEYS];
+        for (int u = 0; u < EDGEKV_TILE2_KEYS; u++) {  // cp is a multiple of 32: the last six are short
+            for (int64_t k = 0; k < d; k++) {
+                cols[u * d + k] = j0 + u < cp ? pt[k * cp + j0 + u] : 0.0f;
+            }
+            cs[u] = cols + u * d;
+        }
+        float va[EDGEKV_TILE2_KEYS][32];
+        for (int64_t h = 0; h < rw; h += 16) {
+            __m256 acc[EDGEKV_TILE2_KEYS][2];
+            edgekv_products256(cs, d, axes + h, rw, acc);
+            for (int u = 0; u < EDGEKV_TILE2_KEYS; u++) {
+                _mm256_storeu_ps(va[u] + h, acc[u][0]);
+                _mm256_storeu_ps(va[u] + h + 8, acc[u][1]);
+            }
+        }
+        for (int u = 0; u < EDGEKV_TILE2_KEYS && j0 + u < cp; u++) {
+            const int64_t j = j0 + u;
+            const double n2 = edgekv_sqnorm256(cs[u], d);
+            for (int64_t a = 0; a < r; a++) {
+                pa[a * cp + j] = va[u][a];
+            }
+            rest_p[j] = edgekv_rest_norm(n2, va[u], r, rot);
+            pmax = sqrt(n2) > pmax ? sqrt(n2) : pmax;
+        }
+    }
+    pmax *= 1.0 + 0x1p-40;
+    bool prune = true;
+    int64_t blocks = 0;
+    for (int64_t k = 0; k < d; k++) {
+        zero_row[k] = 0.0f;
+    }
+    for (int64_t lo = 0; lo < n; lo += EDGEKV_BLOCK2, blocks++) {
+        const int64_t nb = n - lo < EDGEKV_BLOCK2 ? n - lo : EDGEKV_BLOCK2;
+        const int tiles = (int) ((nb + EDGEKV_TILE2_KEYS - 1) / EDGEKV_TILE2_KEYS);
+        prune = prune || blocks % 8 == 0;  // tried again now and then
+        int64_t live = 0, screened = 0;  // this block's halves
+        for (int64_t i = 0; i < nb; i++) {
+            lb[i] = -INFINITY;
+            for (int l = 0; l < 16; l++) {
+                st[i].top[l] = st[i].second[l] = -INFINITY;
+                st[i].arg[l] = 0;
+            }
+        }
+        for (int t = 0; prune && t < tiles; t++) {  // each key in the axes: its rest norm and its cut
+            const float * xs[EDGEKV_TILE2_KEYS];
+            for (int u = 0; u < EDGEKV_TILE2_KEYS; u++) {
+                const int64_t i = (int64_t) t * EDGEKV_TILE2_KEYS + u;
+                xs[u] = i < nb ? x + (lo + i) * d : zero_row;
+            }
+            for (int64_t h = 0; h < rw; h += 16) {
+                __m256 acc[EDGEKV_TILE2_KEYS][2];
+                edgekv_products256(xs, d, axes + h, rw, acc);
+                for (int u = 0; u < EDGEKV_TILE2_KEYS; u++) {
+                    float * row = xa + ((int64_t) t * EDGEKV_TILE2_KEYS + u) * rw + h;
+                    _mm256_storeu_ps(row, acc[u][0]);
+                    _mm256_storeu_ps(row + 8, acc[u][1]);
+                }
+            }
+            for (int u = 0; u < EDGEKV_TILE2_KEYS; u++) {
+                const int64_t i = (int64_t) t * EDGEKV_TILE2_KEYS + u;
+                if (i >= nb) {
+                    break;
+                }
+                const double n2 = edgekv_sqnorm256(xs[u], d);
+                rest_x[i] = edgekv_rest_norm(n2, xa + i * rw, r, rot);
+                // the slack: the screen's r-term sum and the bound's FMA ((r + 2) eps on at
+                // most (1 + rot)^2 ||x|| ||p||), both rotations (2 rot), and a full product
+                // against the best so far ((d + 4) eps), twice over
+                const double slack = 2.0 * (((double) r + 2.0 + (double) d + 4.0) * EDGEKV_EPS + 2.0 * rot) * 1.03;
+                cut[i] = (float) (slack * sqrt(n2) * pmax * (1.0 + 0x1p-20));
+            }
+        }
+        // Prototypes in halves of 16 from where the block's own likely sit (ProtoKV's chunk
+        // prototypes follow the cells): the first half computed whole sets each key's best
+        // so far; the order does not change the answer (a tie is the caller's to decide)
+        const int64_t j0 = prune ? (lo * c / n) / 16 * 16 : 0;
+        for (int64_t jj = 0; jj < cp; jj += 16) {
+            const int64_t j = (j0 + jj) % cp;
+            const __m256 valid[2] = {edgekv_valid256(j, c), edgekv_valid256(j + 8, c)};
+            const __m256i idx0 = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                                  _mm256_set1_epi32((int32_t) j));
+            const __m256i idx[2] = {idx0, _mm256_add_epi32(idx0, _mm256_set1_epi32(8))};
+            const __m256 ninf = _mm256_set1_ps(-INFINITY);
+            const bool whole = !prune || jj == 0;
+            for (int t = 0; t < tiles; t++) {
+                const float * xs[EDGEKV_TILE2_KEYS];
+                const float * as[EDGEKV_TILE2_KEYS];
+                const int i0 = t * EDGEKV_TILE2_KEYS;
+                const int rows = nb - i0 < EDGEKV_TILE2_KEYS ? (int) (nb - i0) : EDGEKV_TILE2_KEYS;
+                for (int u = 0; u < EDGEKV_TILE2_KEYS; u++) {
+                    xs[u] = u < rows ? x + (lo + i0 + u) * d : zero_row;
+                    as[u] = u < rows ? xa + (i0 + u) * rw : zero_row;
+                }
+                __m256 acc[EDGEKV_TILE2_KEYS][2];
+                int mask[EDGEKV_TILE2_KEYS] = {0};
+                int n_live = 0;
+                if (!whole) {  // the screen: which 8-prototype groups may beat each key's best so far
+                    edgekv_products256(as, r, pa + j, cp, acc);
+                    const __m256 rp0 = _mm256_loadu_ps(rest_p + j), rp1 = _mm256_loadu_ps(rest_p + j + 8);
+                    for (int u = 0; u < rows; u++) {
+                        const int i = i0 + u;
+                        const __m256 rx = _mm256_set1_ps(rest_x[i]);
+                        const __m256 thr = _mm256_set1_ps(lb[i] - cut[i]);
+                        const __m256 b0 = _mm256_fmadd_ps(rx, rp0, acc[u][0]);
+                        const __m256 b1 = _mm256_fmadd_ps(rx, rp1, acc[u][1]);
+                        // not below (a NaN included), and a prototype that exists
+                        const int m0 = _mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(b0, thr, _CMP_NLT_UQ), valid[0]));
+                        const int m1 = _mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(b1, thr, _CMP_NLT_UQ), valid[1]));
+                        mask[u] = (m0 != 0) | (m1 != 0) << 1;
+                        n_live += (m0 != 0) + (m1 != 0);
+                    }
+                    for (int u = 0; u < rows; u++) {  // counted in 16-prototype halves, as the AVX-512 body
+                        live += mask[u] != 0;
+                    }
+                    screened += rows;
+                    if (n_live == 0) {
+                        continue;
+                    }
+                }
+                // above this many surviving groups (of 12), the whole tile in registers is cheaper
+                const bool dense = whole || n_live > 5;
+                if (dense) {
+                    edgekv_products256(xs, d, pt + j, cp, acc);
+                }
+                for (int u = 0; u < rows; u++) {
+                    const int i = i0 + u;
+                    for (int h = 0; h < 2; h++) {
+                        if (!whole && !(mask[u] >> h & 1)) {
+                            continue;
+                        }
+                        const __m256 p = dense ? acc[u][h] : edgekv_product256(xs[u], d, pt + j + 8 * h, cp);
+                        const float best = edgekv_update256(_mm256_blendv_ps(ninf, p, valid[h]), idx[h],
+                                                            st[i].top + 8 * h, st[i].second + 8 * h, st[i].arg + 8 * h);
+                        lb[i] = best > lb[i] ? best : lb[i];
+                    }
+                }
+            }
+        }
+        for (int64_t i = 0; i < nb; i++) {
+            edgekv_fold_lanes(&st[i], top + lo + i, second + lo + i, arg + lo + i);
+        }
+        if (prune) {
+            sc->screened += screened;
+            sc->passed += live;
+        }
+        prune = prune && 5 * live <= 2 * screened;
+    }
+    free(axes);
+    return true;
 }
 
 #endif  // EDGEKV_X86
@@ -608,6 +958,9 @@ int32_t edgekv_kernel_isa(void) {
     __builtin_cpu_init();
     if (!avx2_only && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vnni")) {
         return EDGEKV_KERNEL_AVX512;
+    }
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+        return EDGEKV_KERNEL_AVX2;
     }
 #endif
     return EDGEKV_KERNEL_UNSUPPORTED;
@@ -627,9 +980,12 @@ int32_t edgekv_best_two(const float * x, int64_t n, int64_t d, const float * pt,
     if (isa == EDGEKV_KERNEL_AVX512) {
         return edgekv_best_two_avx512(x, n, d, pt, c, cp, screen, top, second, arg) ? isa : EDGEKV_KERNEL_NO_MEMORY;
     }
+    if (isa == EDGEKV_KERNEL_AVX2 && screen != NULL) {
+        return edgekv_best_two_avx2(x, n, d, pt, c, cp, screen, top, second, arg) ? isa : EDGEKV_KERNEL_NO_MEMORY;
+    }
 #endif
     (void) x; (void) pt; (void) top; (void) second; (void) arg;
-    return isa;
+    return EDGEKV_KERNEL_UNSUPPORTED;  // no AVX-512, and no screen or no AVX2: numpy's BLAS
 }
 
 int32_t edgekv_irregularity(const float * x, int64_t n, int64_t d, const int64_t * bounds, int64_t n_chunks,
@@ -647,16 +1003,20 @@ int32_t edgekv_irregularity(const float * x, int64_t n, int64_t d, const int64_t
         return EDGEKV_KERNEL_UNSUPPORTED;
     }
 #ifdef EDGEKV_X86
-    if (isa == EDGEKV_KERNEL_AVX512) {
+    if (isa == EDGEKV_KERNEL_AVX512 || isa == EDGEKV_KERNEL_AVX2) {
         double * buf = malloc(sizeof(double) * 2 * d);
         if (buf == NULL) {
             return EDGEKV_KERNEL_NO_MEMORY;
         }
-        edgekv_irregularity_avx512(x, d, bounds, n_chunks, buf, buf + d, delta);
+        if (isa == EDGEKV_KERNEL_AVX512) {
+            edgekv_irregularity_avx512(x, d, bounds, n_chunks, buf, buf + d, delta);
+        } else {
+            edgekv_irregularity_avx2(x, d, bounds, n_chunks, buf, buf + d, delta);
+        }
         free(buf);
         return isa;
     }
 #endif
     (void) x; (void) delta;
-    return isa;
+    return EDGEKV_KERNEL_UNSUPPORTED;
 }

@@ -6,14 +6,16 @@
 #include <stdint.h>
 
 enum edgekv_kernel_status {
-    EDGEKV_KERNEL_UNSUPPORTED = -1,  // no AVX-512 (or EDGEKV_CPU=avx2): use the numpy path
+    EDGEKV_KERNEL_UNSUPPORTED = -1,  // not here (no AVX2, or a kernel AVX2 has no body for): numpy's path
     EDGEKV_KERNEL_BAD_ARGS    = -2,
     EDGEKV_KERNEL_NO_MEMORY   = -3,
+    EDGEKV_KERNEL_AVX2        = 1,  // AVX2 with FMA (an AVX-512 CPU under EDGEKV_CPU=avx2)
     EDGEKV_KERNEL_AVX512      = 2,
 };
 
-// The instruction set a kernel call runs now: EDGEKV_KERNEL_AVX512 (AVX-512 with VNNI), or
-// EDGEKV_KERNEL_UNSUPPORTED without them or under EDGEKV_CPU=avx2.
+// The instruction set a kernel call runs now: EDGEKV_KERNEL_AVX512 (AVX-512 with VNNI, not
+// under EDGEKV_CPU=avx2), else EDGEKV_KERNEL_AVX2 (AVX2 with FMA), else
+// EDGEKV_KERNEL_UNSUPPORTED.
 int32_t edgekv_kernel_isa(void);
 
 // For each row i of x [n, d] (float32, row-major): arg[i], the first of the c prototypes
@@ -24,12 +26,13 @@ int32_t edgekv_kernel_isa(void);
 // summed in any order, with FMAs: the caller bounds their rounding. pt must be finite
 // (the caller checks); a row of x with a NaN or an infinity gets a top that is not finite,
 // never a finite wrong answer. Returns the edgekv_kernel_status it ran with (> 0), or < 0.
+// Without a screen it runs on AVX-512 only (on AVX2, numpy's BLAS products are as fast).
 //
 // With a screen (NULL: none), pairs are skipped. Its axes [d, r] (row-major) are the float32
-// copy of r orthonormal columns (r a multiple of 4, 4 <= r <= 32, r <= d <= 256). Keys and prototypes
-// in those axes are rounded to bytes, and their integer products (vpdpbusd) plus bounds on
-// what the other channels, the bytes' errors and every rounding can add give an upper
-// bound on each product. A prototype whose bound is below the row's best full product so
+// copy of r orthonormal columns (r a multiple of 4, 4 <= r <= 32, r <= d <= 256). Keys and
+// prototypes in those axes give a product over r channels: on AVX-512 in bytes (vpdpbusd),
+// on AVX2 in float32. It plus bounds on what the other channels, the bytes' errors and
+// every rounding can add give an upper bound on each product. A prototype whose bound is below the row's best full product so
 // far is left out of top, second and arg: it is below the row's best in exact arithmetic,
 // so top and arg stand, and second still bounds every prototype that could be the best.
 // Keys in their principal axes carry most of a product in the first channels (ProtoKV's
@@ -50,7 +53,7 @@ int32_t edgekv_best_two(const float * x, int64_t n, int64_t d, const float * pt,
 // 0 where a norm or the spread is 0, into delta [n], float64. Every number is the one
 // numpy computes (edgekv/methods/protokv.py, irregularity): sums in numpy's order,
 // products rounded before they are added. Only for 8 <= d <= 128 (one numpy block);
-// EDGEKV_KERNEL_UNSUPPORTED for other d.
+// EDGEKV_KERNEL_UNSUPPORTED for other d. The same floats on AVX-512 and AVX2.
 int32_t edgekv_irregularity(const float * x, int64_t n, int64_t d, const int64_t * bounds, int64_t n_chunks,
                             double * delta);
 

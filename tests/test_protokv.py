@@ -40,6 +40,13 @@ from edgekv.methods.protokv import (
 L, H, G, D = 2, 2, 3, 16  # 2 layers, 2 KV heads, 3 query heads per KV head
 
 
+def float64_argmax(x: np.ndarray, protos: np.ndarray) -> np.ndarray:
+    """The paper's assignment in float64: argmax of the products, the first on ties. Each
+    product is summed in one order (einsum's), so equal prototypes tie exactly; a BLAS
+    product may sum two columns in different orders and break such a tie either way."""
+    return np.argmax(np.einsum("nd,cd->nc", x.astype(np.float64), protos.astype(np.float64)), axis=1)
+
+
 def structured_keys(n: int, rng: np.random.Generator, block: int = 16, n_out: int = 12,
                     n_anchor: int = 3) -> tuple[np.ndarray, np.ndarray]:
     """[n, D] keys: blocks of ``block`` noisy copies of one direction (regular tokens),
@@ -270,10 +277,10 @@ def test_assignment_follows_numpys_argmax_on_nan() -> None:
         bad = protos.copy()
         bad[k, 3] = np.nan
         bad[min(k + 2, 19), 0] = np.nan  # a second NaN prototype: the first still wins
-        assert np.array_equal(assign(x, bad), np.argmax(x @ bad.T, axis=1))
+        assert np.array_equal(assign(x, bad), float64_argmax(x, bad))
     y = x.copy()
     y[[0, 150, 299], 5] = np.nan
-    assert np.array_equal(assign(y, protos), np.argmax(y @ protos.T, axis=1))
+    assert np.array_equal(assign(y, protos), float64_argmax(y, protos))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -287,7 +294,7 @@ def test_assignment_of_float32_keys_is_float64s_argmax(dtype: type) -> None:
     twin = base[:10] + 1e-9 * rng.standard_normal((10, D))
     twin /= np.linalg.norm(twin, axis=1, keepdims=True)
     protos = np.concatenate([base, twin, base[:3]])
-    want = np.argmax(x.astype(np.float64) @ protos.T, axis=1)
+    want = float64_argmax(x, protos)
     assert np.array_equal(assign(x.astype(dtype), protos), want)
 
 
@@ -531,17 +538,17 @@ def test_assignment_is_float64s_argmax_even_on_near_ties() -> None:
     twin /= np.linalg.norm(twin, axis=1, keepdims=True)
     for protos in (base, np.concatenate([base, base[:5]]), np.concatenate([base, twin]),
                    np.concatenate([twin, base])):
-        want = np.argmax(x @ protos.T, axis=1)
+        want = float64_argmax(x, protos)
         assert np.array_equal(assign(x, protos), want)
     # keys built on a prototype's bisector tie in exact arithmetic
     mid = (base[0] + base[1]) / 2
     on_edge = mid[None, :] * rng.uniform(0.5, 2, (50, 1))
-    assert np.array_equal(assign(on_edge, base), np.argmax(on_edge @ base.T, axis=1))
+    assert np.array_equal(assign(on_edge, base), float64_argmax(on_edge, base))
 
 
 def avx512_kernels() -> bool:
-    """Whether edgekv's host kernels run here: an AVX-512 CPU with VNNI, not told to act as
-    an AVX2 one."""
+    """Whether edgekv's host kernels run their AVX-512 bodies here: an AVX-512 CPU with
+    VNNI, not told to act as an AVX2 one."""
     import os
 
     from edgekv.llama import cpu_flag
@@ -549,22 +556,38 @@ def avx512_kernels() -> bool:
     return cpu_flag("avx512f") and cpu_flag("avx512_vnni") and os.environ.get("EDGEKV_CPU", "") != "avx2"
 
 
-def test_the_fused_kernel_runs_exactly_where_the_cpu_has_avx512(monkeypatch) -> None:
-    """``kernels.best_two`` and ``kernels.irregularity`` run on an AVX-512 CPU with VNNI (the module is
-    built by setup) and decline elsewhere and under EDGEKV_CPU=avx2, where ProtoKV keeps
-    numpy's BLAS and numba's pass."""
+def kernel_isa() -> str | None:
+    """The kernels' instruction set this CPU should get, from /proc/cpuinfo."""
+    from edgekv.llama import cpu_flag
+
+    if avx512_kernels():
+        return "avx512"
+    return "avx2" if cpu_flag("avx2") and cpu_flag("fma") else None
+
+
+def test_the_kernels_run_where_the_cpu_has_them(monkeypatch) -> None:
+    """The kernels run on AVX-512 with VNNI, else on AVX2 with FMA (an AVX-512 CPU under
+    EDGEKV_CPU=avx2 too), and decline elsewhere, where ProtoKV keeps numpy's BLAS and
+    numba's pass. On AVX2 the unscreened ``best_two`` declines (numpy's BLAS is as fast);
+    the screened one and ``irregularity`` run."""
     from edgekv import kernels
+    from edgekv.llama import cpu_flag
 
     x = np.ones((3, 8), np.float32)
     p = np.eye(2, 8, dtype=np.float32)
+    axes = np.eye(8, 4, dtype=np.float32)
     bounds = np.array([0, 3])
-    assert (kernels.best_two(x, p) is not None) == avx512_kernels()
-    assert (kernels.irregularity(x, bounds) is not None) == avx512_kernels()
-    assert kernels.irregularity(np.ones((3, 4), np.float32), bounds) is None  # numpy sums d < 8 otherwise
-    assert kernels.irregularity(np.ones((3, 136), np.float32), bounds) is None  # and d > 128 in two blocks
-    monkeypatch.setenv("EDGEKV_CPU", "avx2")
-    assert kernels.best_two(x, p) is None
-    assert kernels.irregularity(x, bounds) is None
+    for isa in (kernel_isa(), "avx2" if cpu_flag("avx2") and cpu_flag("fma") else None):
+        assert kernels.isa() == isa
+        assert (kernels.best_two(x, p) is not None) == (isa == "avx512")
+        screened = kernels.best_two(x, p, axes=axes)
+        assert (screened is not None) == (isa is not None)
+        if screened is not None:  # x . p: 1 for both prototypes, a tie: the first
+            assert screened.arg.tolist() == [0, 0, 0] and screened.top.tolist() == screened.second.tolist() == [1] * 3
+        assert (kernels.irregularity(x, bounds) is not None) == (isa is not None)
+        assert kernels.irregularity(np.ones((3, 4), np.float32), bounds) is None  # numpy sums d < 8 otherwise
+        assert kernels.irregularity(np.ones((3, 136), np.float32), bounds) is None  # and d > 128 in two blocks
+        monkeypatch.setenv("EDGEKV_CPU", "avx2")  # the second round: as an AVX2-only CPU
 
 
 @pytest.mark.parametrize(("n", "c", "d"), [(1, 2, 64), (13, 31, 64), (500, 32, 64), (2049, 517, 64),
@@ -577,7 +600,7 @@ def test_the_fused_kernels_best_two_are_the_float32_products(n: int, c: int, d: 
     from edgekv import kernels
 
     if not avx512_kernels():
-        pytest.skip("no AVX-512 with VNNI: ProtoKV's assignment runs numpy's BLAS, tested above")
+        pytest.skip("no AVX-512 with VNNI: the unscreened kernel declines for numpy's BLAS, tested above")
     rng = np.random.default_rng(n + c + d)
     x = (rng.standard_normal((n, d)) * rng.uniform(0.1, 30, (n, 1))).astype(np.float32)
     protos = rng.standard_normal((c, d))
@@ -598,9 +621,12 @@ def test_the_fused_kernels_best_two_are_the_float32_products(n: int, c: int, d: 
 
 
 def test_assignment_is_the_same_with_and_without_the_fused_kernel(monkeypatch) -> None:
-    """ProtoKV's clusters on AVX-512 (the fused kernel) and under EDGEKV_CPU=avx2 (numpy's
-    BLAS): the same labels for cache-like keys, for rows with a NaN or an infinity, and for
-    keys whose float32 products overflow (numpy decides those in float64)."""
+    """ProtoKV's clusters on this CPU's kernels, under EDGEKV_CPU=avx2 (the AVX2 kernels)
+    and with no kernels (numpy's BLAS and numba's pass): the same labels for cache-like
+    keys, for rows with a NaN or an infinity, and for keys whose float32 products overflow
+    (numpy decides those in float64)."""
+    from edgekv import kernels
+
     rng = np.random.default_rng(31)
     w0, b = rff_draw(0, 3, 64)
     x = (3 * rng.standard_normal((64, 1, 64)) + rng.standard_normal((64, 32, 64))).reshape(2048, 64)
@@ -615,8 +641,12 @@ def test_assignment_is_the_same_with_and_without_the_fused_kernel(monkeypatch) -
     monkeypatch.setenv("EDGEKV_CPU", "avx2")
     assert np.array_equal(cluster_ids(x, 16, 3, 24, w0, b)[0], fused)
     assert np.array_equal(assign(y, protos), odd)
+    monkeypatch.setattr(kernels, "_runnable", lambda: None)
+    assert kernels.isa() is None
+    assert np.array_equal(cluster_ids(x, 16, 3, 24, w0, b)[0], fused)
+    assert np.array_equal(assign(y, protos), odd)
     with np.errstate(invalid="ignore", over="ignore"):
-        assert np.array_equal(odd, np.argmax(y.astype(np.float64) @ protos.T, axis=1))
+        assert np.array_equal(odd, float64_argmax(y, protos))
 
 
 def cache_like_keys(n: int, d: int, rank: int, rng: np.random.Generator, noise: float = 0.05) -> np.ndarray:
@@ -671,7 +701,7 @@ def test_the_screened_assignment_is_float64s_argmax(n: int, d: int, rank: int, n
         for j in (5, 40):
             protos[j] = protos[5] + 0.5 * (1 if j == 5 else -1) * off / np.linalg.norm(off)
         protos /= np.linalg.norm(protos, axis=1, keepdims=True)
-    want = np.argmax(x.astype(np.float64) @ protos.T, axis=1)
+    want = float64_argmax(x, protos)
     assert np.array_equal(assign(x, protos), want)
 
 
@@ -686,28 +716,61 @@ def test_prototypes_closer_than_a_bytes_step_are_told_apart() -> None:
     for j in range(0, len(protos) - 1, 7):  # near twins: a nudge along the main axis
         protos[j + 1] = protos[j] + 1e-5 * (1 if j % 2 else -1) * main
     protos /= np.linalg.norm(protos, axis=1, keepdims=True)
-    want = np.argmax(x.astype(np.float64) @ protos.T, axis=1)
+    want = float64_argmax(x, protos)
     assert np.array_equal(assign(x, protos), want)
 
 
-def test_the_screen_keeps_the_kernels_answer() -> None:
-    """The screened kernel skips most of the work and gives the unscreened one's best
-    prototype and product for every key it can decide, on keys from a real model's shape
-    (8k cells, 517 prototypes)."""
+@pytest.mark.parametrize(("n", "c", "d", "r"), [(1000, 100, 20, 8), (700, 70, 64, 32), (999, 200, 48, 12),
+                                                (13, 33, 16, 4), (300, 64, 256, 20)])
+@pytest.mark.parametrize("cpu", ["native", "avx2"])
+def test_the_screened_kernel_finds_the_best_prototype(n: int, c: int, d: int, r: int, cpu: str,
+                                                       monkeypatch) -> None:
+    """``best_two`` with a screen of r axes, on either body: for every key whose best
+    product beats the others by more than float32's rounding, that prototype and its product,
+    at head sizes and screen widths ProtoKV does not pick (channels past the last eight,
+    r past 16, short tiles), over keys whose axes carry most but not all of their length."""
+    from edgekv import kernels
+    from edgekv.methods.protokv import principal_axes
+
+    if cpu == "avx2":
+        monkeypatch.setenv("EDGEKV_CPU", "avx2")
+    if kernels.isa() is None or (cpu == "avx2" and kernels.isa() != "avx2"):
+        pytest.skip("no AVX2 with FMA: no screened kernel")
+    rng = np.random.default_rng(n + c + d + r)
+    x = cache_like_keys(n, d, min(d, 6), rng)
+    p32 = chunk_prototypes(x, rng.standard_normal((8, d)))[:c].astype(np.float32)
+    axes = principal_axes(x.astype(np.float64).T @ x, r).astype(np.float32)
+    got = kernels.best_two(x, p32, axes=axes)
+    s = np.sort(x.astype(np.float64) @ p32.astype(np.float64).T, axis=1)
+    slack = 2 * (d + 6) * 2.0**-24 * np.linalg.norm(x.astype(np.float64), axis=1)
+    sure = s[:, -1] - s[:, -2] > 2 * slack
+    assert sure.mean() > 0.9
+    assert np.array_equal(got.arg[sure], float64_argmax(x[sure], p32))
+    assert np.all(np.abs(got.top - s[:, -1]) <= slack)
+    assert np.all(got.second <= got.top)  # a bound on the prototypes that could be best, not the true second
+
+
+@pytest.mark.parametrize("cpu", ["native", "avx2"])
+def test_the_screen_keeps_the_kernels_answer(cpu: str, monkeypatch) -> None:
+    """The screened kernel (bytes on AVX-512, float32 on AVX2) skips most of the work and
+    gives the best prototype and product of all of them for every key that can be decided,
+    on keys from a real model's shape (8k cells, 517 prototypes)."""
     from edgekv import kernels
     from edgekv.methods import protokv
 
-    if not avx512_kernels():
-        pytest.skip("no AVX-512 with VNNI: ProtoKV's assignment runs numpy's BLAS, tested above")
+    if cpu == "avx2":
+        monkeypatch.setenv("EDGEKV_CPU", "avx2")
+    if kernels.isa() is None or (cpu == "avx2" and kernels.isa() != "avx2"):
+        pytest.skip("no AVX2 with FMA: ProtoKV's assignment runs numpy's BLAS, tested above")
     rng = np.random.default_rng(8)
     x = cache_like_keys(8160, 64, 8, rng)
     p32 = chunk_prototypes(x, rng.standard_normal((8, 64))).astype(np.float32)
     norms = np.sqrt(np.einsum("nd,nd->n", x, x))
     got = protokv._pruned_best_two(x, p32, norms)
     assert got.screened > 8160 * 2 * 10 and got.passed < 0.2 * got.screened
-    plain = kernels.best_two(x, p32)
-    assert plain.screened == 0
-    sure = plain.top.astype(np.float64) - plain.second > 2 * 70 * 2.0**-24 * norms
+    s = np.sort(x.astype(np.float64) @ p32.astype(np.float64).T, axis=1)
+    slack = 2 * 70 * 2.0**-24 * norms
+    sure = s[:, -1] - s[:, -2] > 2 * slack  # the best by more than the float32 products' rounding
     assert sure.mean() > 0.99
-    assert np.array_equal(got.arg[sure], plain.arg[sure])
-    assert np.all(np.abs(got.top - plain.top) <= 2 * 70 * 2.0**-24 * norms)
+    assert np.array_equal(got.arg[sure], float64_argmax(x[sure], p32))
+    assert np.all(np.abs(got.top - s[:, -1]) <= slack)

@@ -257,7 +257,9 @@ def assign(x: np.ndarray, protos: np.ndarray) -> np.ndarray:
 
 _PRUNE_MIN_PROTOS = 64  # fewer prototypes (short caches, tests) take the plain kernel: a cutoff, not a measured break-even
 _PRUNE_SAMPLE = 1024  # keys whose second moments give the principal axes
-_SCREEN_AXES = 32  # at most: the screen's channels, in bytes (8 vpdpbusd a key and 16 prototypes; 64 FMAs at d = 64 in full)
+# at most: the screen's channels. AVX-512: 32 in bytes (8 vpdpbusd a key and 16 prototypes;
+# 64 FMAs at d = 64 in full). AVX2: 16 in float32 (2 FMAs a key and 8 prototypes, of 8 in full)
+_SCREEN_AXES = {"avx512": 32, "avx2": 16}
 
 
 def _pruned_best_two(x32: np.ndarray, p32: np.ndarray, norms: np.ndarray) -> kernels.BestTwo | None:
@@ -272,10 +274,11 @@ def _pruned_best_two(x32: np.ndarray, p32: np.ndarray, norms: np.ndarray) -> ker
     best product so far: at 8k cells about one 16-prototype half in a hundred. The bounds are
     rigorous (``native/kernels.h``)."""
     n, d = x32.shape
-    if not 8 <= d <= 256 or not np.isfinite(norms).all() or norms.max(initial=0.0) > 1e15:
+    isa = kernels.isa()
+    if isa is None or not 8 <= d <= 256 or not np.isfinite(norms).all() or norms.max(initial=0.0) > 1e15:
         return None
     sample = x32[:: max(1, n // _PRUNE_SAMPLE)]
-    axes = principal_axes((sample.T @ sample).astype(np.float64), min(_SCREEN_AXES, d // 2 // 4 * 4))
+    axes = principal_axes((sample.T @ sample).astype(np.float64), min(_SCREEN_AXES[isa], d // 2 // 4 * 4))
     return None if axes is None else kernels.best_two(x32, p32, axes=axes.astype(np.float32))
 
 
@@ -300,8 +303,18 @@ def _settle(x: np.ndarray, protos: np.ndarray, best: np.ndarray, top: np.ndarray
     with np.errstate(invalid="ignore"):
         unsure = np.flatnonzero(~((top.astype(np.float64) - second > bound) & np.isfinite(top)))
     if unsure.size:
-        best[unsure] = np.argmax(x[unsure].astype(np.float64) @ protos.T, axis=1)
+        best[unsure] = np.argmax(float64_products(x[unsure], protos), axis=1)
     return best
+
+
+def float64_products(x: np.ndarray, protos: np.ndarray) -> np.ndarray:
+    """float64 [n, c]: every key's product with every prototype, each summed over the
+    channels in one order, whatever the shapes: two equal prototypes tie exactly, so
+    argmax takes the first. A BLAS product may sum two columns of one matrix in different
+    orders (OpenBLAS's edge columns on AVX2 did), and a few rows in another order than
+    all of them; a tie that the paper's argmax breaks to the first would then go either way.
+    Only the few rows float32 cannot decide come here (a few dozen of 8k at most)."""
+    return np.einsum("nd,cd->nc", x.astype(np.float64), protos.astype(np.float64))
 
 
 @njit(cache=True, nogil=True)
