@@ -292,6 +292,15 @@ __attribute__((target("avx512f"))) static void edgekv_rotate(const float * v, in
     }
 }
 
+// edgekv_rest_norm from the rotation's squared norm in2 (summed in double in any order:
+// r <= 32 terms are within 2^-48 of their exact sum, inside the 2^-40 given here)
+static inline float edgekv_rest_norm_of(double n2, double in2, double rot) {
+    double inside = sqrt(in2 * (1.0 - 0x1p-40)) - rot * sqrt(n2);
+    inside = inside > 0.0 ? inside : 0.0;
+    const double rest2 = n2 * (1.0 + 0x1p-40) - inside * inside;
+    return (float) (sqrt(rest2 > 0.0 ? rest2 : 0.0) * (1.0 + 0x1p-20));
+}
+
 // An upper bound on the norm of a row outside the axes, from its squared norm n2 (exact in
 // double) and its rotation va [r] (within rot * ||row|| of the exact one):
 // ||row||^2 - ||row in the axes||^2, with the rotation's error against it
@@ -300,10 +309,7 @@ static float edgekv_rest_norm(double n2, const float * va, int64_t r, double rot
     for (int64_t a = 0; a < r; a++) {
         in2 += (double) va[a] * va[a];
     }
-    double inside = sqrt(in2 * (1.0 - 0x1p-40)) - rot * sqrt(n2);
-    inside = inside > 0.0 ? inside : 0.0;
-    const double rest2 = n2 * (1.0 + 0x1p-40) - inside * inside;
-    return (float) (sqrt(rest2 > 0.0 ? rest2 : 0.0) * (1.0 + 0x1p-20));
+    return edgekv_rest_norm_of(n2, in2, rot);
 }
 
 // The squared norm of v [d] in float32 (within (d + 2) eps of the exact one)
@@ -678,38 +684,79 @@ __attribute__((target("avx2"))) static void edgekv_irregularity_avx2(const float
 // screen's rotated prototypes stays in L1 while the block's tiles pass over it.
 #define EDGEKV_BLOCK2 48
 
-// acc[i][h] = sum over k < d of xs[i][k] * P[k * ld + 8 h + lane]: six rows (each d
-// floats) against 16 columns of P, channel by channel. The accumulators are named
-// variables, not an array: GCC stored an array's twelve back to memory at every channel
-// (a float load from xs might alias them), which halved the tile's speed.
+// Six rows (each d floats, at xs[0..5]) against 16 columns of P (rows ld apart), channel by
+// channel: a<i><h> = sum over k < d of xs[i][k] * P[k * ld + 8 h + lane]. The accumulators
+// are named variables, not an array: GCC stored an array's twelve back to memory at every
+// channel (a float load from xs might alias them), which halved the tile's speed.
 #define EDGEKV_ROW256(i)                                   \
     do {                                                   \
         const __m256 xb = _mm256_broadcast_ss(x##i + k);   \
         a##i##0 = _mm256_fmadd_ps(xb, p0, a##i##0);        \
         a##i##1 = _mm256_fmadd_ps(xb, p1, a##i##1);        \
     } while (0)
+#define EDGEKV_TILE256(xs, d, P, ld)                                                                 \
+    const float *x0 = (xs)[0], *x1 = (xs)[1], *x2 = (xs)[2], *x3 = (xs)[3], *x4 = (xs)[4], *x5 = (xs)[5]; \
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;           \
+    __m256 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;                           \
+    for (int64_t k = 0; k < (d); k++) {                                                              \
+        const __m256 p0 = _mm256_loadu_ps((P) + k * (ld)), p1 = _mm256_loadu_ps((P) + k * (ld) + 8);   \
+        EDGEKV_ROW256(0);                                                                            \
+        EDGEKV_ROW256(1);                                                                            \
+        EDGEKV_ROW256(2);                                                                            \
+        EDGEKV_ROW256(3);                                                                            \
+        EDGEKV_ROW256(4);                                                                            \
+        EDGEKV_ROW256(5);                                                                            \
+    }
 
+// EDGEKV_TILE256 into acc[i][h]
 __attribute__((target("avx2,fma"), always_inline)) static inline void edgekv_products256(
         const float * const xs[EDGEKV_TILE2_KEYS], int64_t d, const float * P, int64_t ld, __m256 acc[EDGEKV_TILE2_KEYS][2]) {
-    const float *x0 = xs[0], *x1 = xs[1], *x2 = xs[2], *x3 = xs[3], *x4 = xs[4], *x5 = xs[5];
-    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
-    __m256 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
-    for (int64_t k = 0; k < d; k++, P += ld) {
-        const __m256 p0 = _mm256_loadu_ps(P), p1 = _mm256_loadu_ps(P + 8);
-        EDGEKV_ROW256(0);
-        EDGEKV_ROW256(1);
-        EDGEKV_ROW256(2);
-        EDGEKV_ROW256(3);
-        EDGEKV_ROW256(4);
-        EDGEKV_ROW256(5);
-    }
+    EDGEKV_TILE256(xs, d, P, ld)
     acc[0][0] = a00, acc[0][1] = a01, acc[1][0] = a10, acc[1][1] = a11, acc[2][0] = a20, acc[2][1] = a21;
     acc[3][0] = a30, acc[3][1] = a31, acc[4][0] = a40, acc[4][1] = a41, acc[5][0] = a50, acc[5][1] = a51;
 }
 
-// An upper bound on the squared norm of v [d]: float32 squares are exact in double, and
-// d <= 256 of them summed in double are within 2^-45 of the exact sum
-__attribute__((target("avx2,fma"), always_inline)) static inline double edgekv_sqnorm256(const float * v, int64_t d) {
+// The screen of six keys (as, in the axes) against 16 prototypes (P, in the axes): bit
+// 2 i + h set where key i's bound (its product in the axes plus rest_x[i] times each
+// prototype's rest norm rp<h>) is not below thr[i] (a NaN included) for some prototype of
+// the 8 in group h; with valid, only among those that exist. Most tiles have none, found
+// with one test; the keys' bits are formed only when some bound passes.
+#define EDGEKV_BOUND256(i, h) \
+    _mm256_cmp_ps(_mm256_fmadd_ps(_mm256_broadcast_ss(rx + (i)), rp##h, a##i##h), _mm256_broadcast_ss(thr + (i)), _CMP_NLT_UQ)
+__attribute__((target("avx2,fma"), always_inline)) static inline unsigned edgekv_screen256(
+        const float * const as[EDGEKV_TILE2_KEYS], int64_t r, const float * P, int64_t ld, const float * rx,
+        const float * thr, __m256 rp0, __m256 rp1, const __m256 * valid) {
+    EDGEKV_TILE256(as, r, P, ld)
+    __m256 c[EDGEKV_TILE2_KEYS][2] = {{EDGEKV_BOUND256(0, 0), EDGEKV_BOUND256(0, 1)},
+                                      {EDGEKV_BOUND256(1, 0), EDGEKV_BOUND256(1, 1)},
+                                      {EDGEKV_BOUND256(2, 0), EDGEKV_BOUND256(2, 1)},
+                                      {EDGEKV_BOUND256(3, 0), EDGEKV_BOUND256(3, 1)},
+                                      {EDGEKV_BOUND256(4, 0), EDGEKV_BOUND256(4, 1)},
+                                      {EDGEKV_BOUND256(5, 0), EDGEKV_BOUND256(5, 1)}};
+    if (valid != NULL) {  // the last prototypes: the padding's bounds are zeros, which may pass
+        for (int i = 0; i < EDGEKV_TILE2_KEYS; i++) {
+            c[i][0] = _mm256_and_ps(c[i][0], valid[0]);
+            c[i][1] = _mm256_and_ps(c[i][1], valid[1]);
+        }
+    }
+    __m256 any = c[0][0];
+    for (int i = 0; i < EDGEKV_TILE2_KEYS; i++) {
+        any = _mm256_or_ps(any, _mm256_or_ps(c[i][0], c[i][1]));
+    }
+    if (_mm256_movemask_ps(any) == 0) {
+        return 0;
+    }
+    unsigned bits = 0;
+    for (int i = 0; i < EDGEKV_TILE2_KEYS; i++) {
+        bits |= (unsigned) (_mm256_movemask_ps(c[i][0]) != 0) << 2 * i;
+        bits |= (unsigned) (_mm256_movemask_ps(c[i][1]) != 0) << (2 * i + 1);
+    }
+    return bits;
+}
+
+// The sum of the squares of v [d] in double, in any order: float32 squares are exact in
+// double, and d <= 256 of them summed are within 2^-45 of the exact sum
+__attribute__((target("avx2,fma"), always_inline)) static inline double edgekv_sumsq256(const float * v, int64_t d) {
     __m256d a = _mm256_setzero_pd();
     int64_t k = 0;
     for (; k + 4 <= d; k += 4) {
@@ -722,7 +769,51 @@ __attribute__((target("avx2,fma"), always_inline)) static inline double edgekv_s
     for (; k < d; k++) {
         n2 += (double) v[k] * v[k];
     }
-    return n2 * (1.0 + 0x1p-40);
+    return n2;
+}
+
+// edgekv_fold_lanes for lanes without a NaN (the scalar fold takes the others, so that
+// NaNs fall as they always did), in two 8-lane halves
+__attribute__((target("avx2"), always_inline)) static inline void edgekv_fold_lanes256(const edgekv_lanes * s,
+                                                                                      float * top, float * second,
+                                                                                      int32_t * arg) {
+    const __m256 t0 = _mm256_loadu_ps(s->top), t1 = _mm256_loadu_ps(s->top + 8);
+    const __m256 s0 = _mm256_loadu_ps(s->second), s1 = _mm256_loadu_ps(s->second + 8);
+    const __m256 nan = _mm256_or_ps(_mm256_cmp_ps(t0, s0, _CMP_UNORD_Q), _mm256_cmp_ps(t1, s1, _CMP_UNORD_Q));
+    if (_mm256_movemask_ps(nan) != 0) {
+        edgekv_fold_lanes(s, top, second, arg);
+        return;
+    }
+    __m256 m = _mm256_max_ps(t0, t1);  // the largest top, in every lane
+    m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
+    m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0x4E));
+    m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0xB1));
+    const __m256i big = _mm256_set1_epi32(INT32_MAX);
+    const __m256i a0 = _mm256_loadu_si256((const __m256i *) s->arg), a1 = _mm256_loadu_si256((const __m256i *) (s->arg + 8));
+    // of the lanes at the largest top, the lowest prototype
+    __m256i b = _mm256_min_epi32(_mm256_blendv_epi8(big, a0, _mm256_castps_si256(_mm256_cmp_ps(t0, m, _CMP_EQ_OQ))),
+                                 _mm256_blendv_epi8(big, a1, _mm256_castps_si256(_mm256_cmp_ps(t1, m, _CMP_EQ_OQ))));
+    b = _mm256_min_epi32(b, _mm256_permute2x128_si256(b, b, 1));
+    b = _mm256_min_epi32(b, _mm256_shuffle_epi32(b, 0x4E));
+    b = _mm256_min_epi32(b, _mm256_shuffle_epi32(b, 0xB1));
+    const int32_t best_arg = _mm256_cvtsi256_si32(b);
+    // the first such lane, as the scalar scan
+    const unsigned hits = (unsigned) _mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(t0, m, _CMP_EQ_OQ),
+                                                                      _mm256_castsi256_ps(_mm256_cmpeq_epi32(a0, b)))) |
+                          (unsigned) _mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(t1, m, _CMP_EQ_OQ),
+                                                                      _mm256_castsi256_ps(_mm256_cmpeq_epi32(a1, b)))) << 8;
+    const int best = __builtin_ctz(hits);
+    float others[16];
+    _mm256_storeu_ps(others, t0);
+    _mm256_storeu_ps(others + 8, t1);
+    *top = others[best];
+    others[best] = -INFINITY;
+    __m256 o = _mm256_max_ps(_mm256_max_ps(s0, s1), _mm256_max_ps(_mm256_loadu_ps(others), _mm256_loadu_ps(others + 8)));
+    o = _mm256_max_ps(o, _mm256_permute2f128_ps(o, o, 1));
+    o = _mm256_max_ps(o, _mm256_shuffle_ps(o, o, 0x4E));
+    o = _mm256_max_ps(o, _mm256_shuffle_ps(o, o, 0xB1));
+    *second = _mm256_cvtss_f32(o);
+    *arg = best_arg;
 }
 
 // One key's products with the 8 prototypes at P (channel k at P + k * ld), in eight
@@ -776,6 +867,7 @@ __attribute__((target("avx2,fma"))) static bool edgekv_best_two_avx2(const float
     const int64_t rw = r <= 16 ? 16 : 32;  // the rotated rows' width: whole 16-column tiles
     edgekv_lanes st[EDGEKV_BLOCK2];
     float lb[EDGEKV_BLOCK2], rest_x[EDGEKV_BLOCK2], cut[EDGEKV_BLOCK2];
+    float thr[EDGEKV_BLOCK2];  // lb less cut: the screen's threshold
     // one allocation: the axes (rw columns, zeros past r), the keys of a block in the axes,
     // the prototypes in the axes (channel-major, like pt) and their rest norms
     const size_t floats = (size_t) d * rw + (size_t) EDGEKV_BLOCK2 * rw + (size_t) r * cp + cp + (size_t) (EDGEKV_TILE2_KEYS + 1) * d;
@@ -815,11 +907,11 @@ __attribute__((target("avx2,fma"))) static bool edgekv_best_two_avx2(const float
         }
         for (int u = 0; u < EDGEKV_TILE2_KEYS && j0 + u < cp; u++) {
             const int64_t j = j0 + u;
-            const double n2 = edgekv_sqnorm256(cs[u], d);
+            const double n2 = edgekv_sumsq256(cs[u], d) * (1.0 + 0x1p-40);
             for (int64_t a = 0; a < r; a++) {
                 pa[a * cp + j] = va[u][a];
             }
-            rest_p[j] = edgekv_rest_norm(n2, va[u], r, rot);
+            rest_p[j] = edgekv_rest_norm_of(n2, edgekv_sumsq256(va[u], r), rot);
             pmax = sqrt(n2) > pmax ? sqrt(n2) : pmax;
         }
     }
@@ -835,11 +927,15 @@ __attribute__((target("avx2,fma"))) static bool edgekv_best_two_avx2(const float
         prune = prune || blocks % 8 == 0;  // tried again now and then
         int64_t live = 0, screened = 0;  // this block's halves
         for (int64_t i = 0; i < nb; i++) {
-            lb[i] = -INFINITY;
+            lb[i] = thr[i] = -INFINITY;
             for (int l = 0; l < 16; l++) {
                 st[i].top[l] = st[i].second[l] = -INFINITY;
                 st[i].arg[l] = 0;
             }
+        }
+        for (int64_t i = nb; i < (int64_t) tiles * EDGEKV_TILE2_KEYS; i++) {  // a short tile's missing keys never pass
+            rest_x[i] = 0.0f;
+            thr[i] = INFINITY;
         }
         for (int t = 0; prune && t < tiles; t++) {  // each key in the axes: its rest norm and its cut
             const float * xs[EDGEKV_TILE2_KEYS];
@@ -861,8 +957,8 @@ __attribute__((target("avx2,fma"))) static bool edgekv_best_two_avx2(const float
                 if (i >= nb) {
                     break;
                 }
-                const double n2 = edgekv_sqnorm256(xs[u], d);
-                rest_x[i] = edgekv_rest_norm(n2, xa + i * rw, r, rot);
+                const double n2 = edgekv_sumsq256(xs[u], d) * (1.0 + 0x1p-40);
+                rest_x[i] = edgekv_rest_norm_of(n2, edgekv_sumsq256(xa + i * rw, r), rot);
                 // the slack: the screen's r-term sum and the bound's FMA ((r + 2) eps on at
                 // most (1 + rot)^2 ||x|| ||p||), both rotations (2 rot), and a full product
                 // against the best so far ((d + 4) eps), twice over
@@ -892,29 +988,18 @@ __attribute__((target("avx2,fma"))) static bool edgekv_best_two_avx2(const float
                     as[u] = u < rows ? xa + (i0 + u) * rw : zero_row;
                 }
                 __m256 acc[EDGEKV_TILE2_KEYS][2];
-                int mask[EDGEKV_TILE2_KEYS] = {0};
+                unsigned bits = 0;
                 int n_live = 0;
                 if (!whole) {  // the screen: which 8-prototype groups may beat each key's best so far
-                    edgekv_products256(as, r, pa + j, cp, acc);
-                    const __m256 rp0 = _mm256_loadu_ps(rest_p + j), rp1 = _mm256_loadu_ps(rest_p + j + 8);
-                    for (int u = 0; u < rows; u++) {
-                        const int i = i0 + u;
-                        const __m256 rx = _mm256_set1_ps(rest_x[i]);
-                        const __m256 thr = _mm256_set1_ps(lb[i] - cut[i]);
-                        const __m256 b0 = _mm256_fmadd_ps(rx, rp0, acc[u][0]);
-                        const __m256 b1 = _mm256_fmadd_ps(rx, rp1, acc[u][1]);
-                        // not below (a NaN included), and a prototype that exists
-                        const int m0 = _mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(b0, thr, _CMP_NLT_UQ), valid[0]));
-                        const int m1 = _mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(b1, thr, _CMP_NLT_UQ), valid[1]));
-                        mask[u] = (m0 != 0) | (m1 != 0) << 1;
-                        n_live += (m0 != 0) + (m1 != 0);
-                    }
-                    for (int u = 0; u < rows; u++) {  // counted in 16-prototype halves, as the AVX-512 body
-                        live += mask[u] != 0;
-                    }
+                    bits = edgekv_screen256(as, r, pa + j, cp, rest_x + i0, thr + i0, _mm256_loadu_ps(rest_p + j),
+                                            _mm256_loadu_ps(rest_p + j + 8), j + 16 > c ? valid : NULL);
                     screened += rows;
-                    if (n_live == 0) {
+                    if (bits == 0) {
                         continue;
+                    }
+                    n_live = __builtin_popcount(bits);
+                    for (int u = 0; u < rows; u++) {  // counted in 16-prototype halves, as the AVX-512 body
+                        live += (bits >> 2 * u & 3) != 0;
                     }
                 }
                 // above this many surviving groups (of 12), the whole tile in registers is cheaper
@@ -925,19 +1010,22 @@ __attribute__((target("avx2,fma"))) static bool edgekv_best_two_avx2(const float
                 for (int u = 0; u < rows; u++) {
                     const int i = i0 + u;
                     for (int h = 0; h < 2; h++) {
-                        if (!whole && !(mask[u] >> h & 1)) {
+                        if (!whole && !(bits >> (2 * u + h) & 1)) {
                             continue;
                         }
                         const __m256 p = dense ? acc[u][h] : edgekv_product256(xs[u], d, pt + j + 8 * h, cp);
                         const float best = edgekv_update256(_mm256_blendv_ps(ninf, p, valid[h]), idx[h],
                                                             st[i].top + 8 * h, st[i].second + 8 * h, st[i].arg + 8 * h);
-                        lb[i] = best > lb[i] ? best : lb[i];
+                        if (best > lb[i]) {
+                            lb[i] = best;
+                            thr[i] = best - cut[i];
+                        }
                     }
                 }
             }
         }
         for (int64_t i = 0; i < nb; i++) {
-            edgekv_fold_lanes(&st[i], top + lo + i, second + lo + i, arg + lo + i);
+            edgekv_fold_lanes256(&st[i], top + lo + i, second + lo + i, arg + lo + i);
         }
         if (prune) {
             sc->screened += screened;
