@@ -270,8 +270,9 @@ def _pruned_best_two(x32: np.ndarray, p32: np.ndarray, norms: np.ndarray) -> ker
     A head's keys lie close to a few directions. In their principal axes (from the keys'
     second moments) the first channels carry most of each product, and the others can add
     at most ||x's rest|| ||p's rest||. The kernel screens every pair on r = min(32, d / 2)
-    such channels in bytes and computes a prototype only where that bound reaches the key's
-    best product so far: at 8k cells about one 16-prototype half in a hundred. The bounds are
+    such channels in bytes (AVX-512), or min(16, d / 2) in float32 (AVX2), and computes a
+    prototype only where that bound reaches the key's best product so far: at 8k cells about
+    one 16-prototype half in a hundred (AVX-512) or in twelve (AVX2). The bounds are
     rigorous (``native/kernels.h``)."""
     n, d = x32.shape
     isa = kernels.isa()
