@@ -46,10 +46,9 @@ def isa() -> str | None:
     ``EDGEKV_CPU=avx2``), "avx2" (AVX2 with FMA), or None (not built, or neither). Read at
     each call, so that ``EDGEKV_CPU`` set in a running process takes effect."""
     m = _runnable()
-    return None if m is None else {_AVX2: "avx2", _AVX512: "avx512"}[m.lib.edgekv_kernel_isa()]
-
-
-_AVX2, _AVX512 = 1, 2
+    if m is None:
+        return None
+    return {m.lib.EDGEKV_KERNEL_AVX2: "avx2", m.lib.EDGEKV_KERNEL_AVX512: "avx512"}[m.lib.edgekv_kernel_isa()]
 
 
 def best_two(x: np.ndarray, protos: np.ndarray, *, axes: np.ndarray | None = None) -> BestTwo | None:

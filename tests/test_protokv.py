@@ -556,11 +556,12 @@ def avx512_kernels() -> bool:
     return cpu_flag("avx512f") and cpu_flag("avx512_vnni") and os.environ.get("EDGEKV_CPU", "") != "avx2"
 
 
-def kernel_isa() -> str | None:
-    """The kernels' instruction set this CPU should get, from /proc/cpuinfo."""
+def kernel_isa(avx2_only: bool = False) -> str | None:
+    """The kernels' instruction set this CPU should get, from /proc/cpuinfo (``avx2_only``:
+    under EDGEKV_CPU=avx2)."""
     from edgekv.llama import cpu_flag
 
-    if avx512_kernels():
+    if avx512_kernels() and not avx2_only:
         return "avx512"
     return "avx2" if cpu_flag("avx2") and cpu_flag("fma") else None
 
@@ -571,13 +572,12 @@ def test_the_kernels_run_where_the_cpu_has_them(monkeypatch) -> None:
     numba's pass. On AVX2 the unscreened ``best_two`` declines (numpy's BLAS is as fast);
     the screened one and ``irregularity`` run."""
     from edgekv import kernels
-    from edgekv.llama import cpu_flag
 
     x = np.ones((3, 8), np.float32)
     p = np.eye(2, 8, dtype=np.float32)
     axes = np.eye(8, 4, dtype=np.float32)
     bounds = np.array([0, 3])
-    for isa in (kernel_isa(), "avx2" if cpu_flag("avx2") and cpu_flag("fma") else None):
+    for isa in (kernel_isa(), kernel_isa(avx2_only=True)):
         assert kernels.isa() == isa
         assert (kernels.best_two(x, p) is not None) == (isa == "avx512")
         screened = kernels.best_two(x, p, axes=axes)
@@ -738,7 +738,9 @@ def test_the_screened_kernel_finds_the_best_prototype(n: int, c: int, d: int, r:
         pytest.skip("no AVX2 with FMA: no screened kernel")
     rng = np.random.default_rng(n + c + d + r)
     x = cache_like_keys(n, d, min(d, 6), rng)
-    p32 = chunk_prototypes(x, rng.standard_normal((8, d)))[:c].astype(np.float32)
+    chunks = -(-n // 16)  # the chunk prototypes, then random ones up to c (at least 8)
+    p32 = chunk_prototypes(x, rng.standard_normal((max(8, c - chunks), d)))[:c].astype(np.float32)
+    assert p32.shape[0] == c
     axes = principal_axes(x.astype(np.float64).T @ x, r).astype(np.float32)
     got = kernels.best_two(x, p32, axes=axes)
     s = np.sort(x.astype(np.float64) @ p32.astype(np.float64).T, axis=1)
