@@ -3,6 +3,8 @@ against a direct implementation of its rule."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -104,37 +106,51 @@ def test_layers_scored_side_by_side_keep_what_one_thread_keeps(name: str, monkey
     assert np.array_equal(kept[1], kept[3])
 
 
-def test_layers_side_by_side_read_alone_and_fail_with_their_own_error(monkeypatch) -> None:
-    """Each group's reads (``fetch``) run while no layer computes; an error in one layer's
-    scoring reaches the caller as it is, and no later group is started."""
+def test_layers_side_by_side_read_first_and_fail_with_their_own_error(monkeypatch) -> None:
+    """Each layer's reads (``fetch``) run before its scoring, in the thread that scores it;
+    a thread goes on while another is slow, no more than ``AHEAD`` layers per thread beyond
+    the one the caller waits for; an error in one layer's scoring reaches the caller as it
+    is, and no later layer starts."""
     events: list[tuple[str, int]] = []
-    running = [0]
+    lock = threading.Lock()
+    gate = threading.Event()
 
     class Failing(base.ScorerMethod):
         name = "failing"
         parallel = True
 
         def fetch(self, snap: KVSnapshot, layer: int) -> None:
-            assert running[0] == 0, "a read ran beside a computing layer"
-            events.append(("fetch", layer))
+            with lock:
+                events.append(("fetch", layer))
 
         def score(self, snap: KVSnapshot, layer: int) -> np.ndarray:
-            running[0] += 1
-            try:
+            with lock:
+                assert ("fetch", layer) in events, f"layer {layer} scored before its reads"
                 events.append(("score", layer))
-                if layer == 3:
-                    raise EdgekvError("layer 3 cannot be scored")
-                return np.zeros((snap.n_kv_head, snap.n_cells))
-            finally:
-                running[0] -= 1
+            if layer == 0:  # a slow first layer: the other thread goes on, as far as the window
+                gate.wait(5)
+                with lock:
+                    at_first.extend(started())
+            if layer == 3:
+                raise EdgekvError("layer 3 cannot be scored")
+            if layer == 2 * base.AHEAD:
+                gate.set()
+            return np.zeros((snap.n_kv_head, snap.n_cells))
 
+    def started() -> list[int]:
+        return [layer for kind, layer in events if kind == "fetch"]
+
+    at_first: list[int] = []
     monkeypatch.setattr(base, "SCORE_THREADS", 2)
     snap = snapshot()
-    snap.token_pos = np.broadcast_to(np.arange(N), (8, H, N)).copy()  # 8 layers to score
+    snap.token_pos = np.broadcast_to(np.arange(N), (12, H, N)).copy()  # 12 layers to score
     with pytest.raises(EdgekvError, match="layer 3 cannot be scored"):
         Failing(sinks=0, window=1).select(snap, N // 2)
-    assert sorted(events) == [(kind, layer) for kind in ("fetch", "score") for layer in range(4)]
-    assert events[:2] == [("fetch", 0), ("fetch", 1)] and {e for e in events[2:4]} == {("score", 0), ("score", 1)}
+    assert at_first == list(range(2 * base.AHEAD + 1))  # layer 0 held the caller: no layer past the window
+    assert sorted(started()) == list(range(len(started())))  # each once, from the first on
+    # the caller waited for layer 3 with at most the window's layers beyond it submitted
+    assert 3 + 1 < len(started()) <= 3 + 2 * base.AHEAD + 1
+    assert sorted(layer for kind, layer in events if kind == "score") == started()
 
 
 def test_knorm_keeps_lowest_key_norms_per_head() -> None:

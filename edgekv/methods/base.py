@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, ClassVar, Literal, TypeVar
 
@@ -184,8 +184,9 @@ class ScorerMethod(Method):
         raise NotImplementedError
 
     def fetch(self, snap: KVSnapshot, layer: int) -> None:
-        """Read what ``score`` reads from the engine for ``layer`` (K, V, window scores), so
-        that a ``parallel`` scorer's reads do not run beside its arithmetic. None: nothing."""
+        """Read what ``score`` reads from the engine for ``layer`` (K, V, window scores) before
+        ``score`` runs: one engine call can then bring several layers, or every layer's window
+        scores, at once. None: nothing."""
 
     def select(self, snap: KVSnapshot, budget: int, *, why: Why = "call") -> np.ndarray:
         n = snap.n_cells
@@ -194,10 +195,14 @@ class ScorerMethod(Method):
         prot = self.protected(snap)
         self.refuse_below(budget, int(prot.sum(axis=2).max()))
         keep = np.empty((snap.n_layer, snap.n_kv_head, budget), dtype=np.int64)
-        for layer, s in map_layers(lambda layer: self.score(snap, layer), snap.n_layer, parallel=self.parallel,
+        def score(layer: int) -> np.ndarray:
+            s = self.score(snap, layer)
+            snap.release(layer)  # its K/V, if the scorer read them: the buffers serve the next layers
+            return s
+
+        for layer, s in map_layers(score, snap.n_layer, parallel=self.parallel,
                                    fetch=lambda layer: self.fetch(snap, layer)):
             s = np.asarray(s, dtype=np.float64)
-            snap.release(layer)  # its K/V, if the scorer read them: the buffers serve the next layers
             if s.shape != (snap.n_kv_head, n):
                 raise ValueError(f"{self.name}.score returned {s.shape}, expected {(snap.n_kv_head, n)}")
             s = np.where(np.isnan(s), -np.inf, s)
@@ -210,30 +215,42 @@ def map_layers(fn: Callable[[int], T], n_layer: int, *, parallel: bool,
                fetch: Callable[[int], object] | None = None) -> Iterator[tuple[int, T]]:
     """(layer, fn(layer)) in layer order.
 
-    With ``parallel``, layers go in groups of ``score_threads()``: ``fetch(layer)`` first
-    brings each layer of the group from the engine, on this thread and alone, and then
-    the group's layers are computed at once, numpy's BLAS held to one thread each. Kept
-    apart, llama.cpp's own threads have the cores to themselves while they read: a read
-    beside two computing threads oversubscribed two cores and cost what the threads
-    gained (Expected Attention at 8k). ``fn`` must read the engine only through the
-    snapshot, which serialises those calls. An error in one layer reaches the caller as
-    it is, once the layers in flight have finished."""
+    With ``parallel``, ``score_threads()`` threads take the layers in order, each as soon
+    as it is free: ``fetch(layer)`` (the engine reads, which the snapshot serialises), then
+    ``fn(layer)``, numpy's BLAS held to one thread each. Layers differ in cost (ProtoKV's
+    first layers take twice its last), and threads that waited for each other at every
+    pair of layers lost about a tenth of the compression (ProtoKV and Expected Attention
+    at 8k, measured interleaved). At most ``AHEAD`` layers per thread are started beyond the
+    one the caller waits for, so that finished layers do not pile up behind a slow one.
+    ``fn`` must read the engine only through the snapshot. An error in one layer reaches
+    the caller as it is, once the layers in flight have finished; no other layer starts."""
     threads = score_threads() if parallel else 1
     if threads < 2 or n_layer < 2:
         for layer in range(n_layer):
+            if fetch is not None:
+                fetch(layer)
             yield layer, fn(layer)
         return
     from threadpoolctl import threadpool_limits
 
-    with threadpool_limits(limits=1, user_api="blas"), ThreadPoolExecutor(threads) as pool:
-        for start in range(0, n_layer, threads):
-            group = range(start, min(n_layer, start + threads))
-            if fetch is not None:
-                for layer in group:
-                    fetch(layer)
-            running = [pool.submit(fn, layer) for layer in group]
-            for layer, job in zip(group, running, strict=True):
-                yield layer, job.result()
+    def job(layer: int) -> T:
+        if fetch is not None:
+            fetch(layer)
+        return fn(layer)
+
+    with threadpool_limits(limits=1, user_api="blas"):
+        pool = ThreadPoolExecutor(threads)
+        try:
+            jobs: dict[int, Future[T]] = {}
+            for layer in range(n_layer):
+                for ahead in range(layer + len(jobs), min(n_layer, layer + AHEAD * threads + 1)):
+                    jobs[ahead] = pool.submit(job, ahead)
+                yield layer, jobs.pop(layer).result()
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+AHEAD = 2  # layers a scoring thread may start beyond the one the caller waits for
 
 
 def top_k(s: np.ndarray, k: int) -> np.ndarray:
