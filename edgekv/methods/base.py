@@ -195,6 +195,7 @@ class ScorerMethod(Method):
         prot = self.protected(snap)
         self.refuse_below(budget, int(prot.sum(axis=2).max()))
         keep = np.empty((snap.n_layer, snap.n_kv_head, budget), dtype=np.int64)
+
         def score(layer: int) -> np.ndarray:
             s = self.score(snap, layer)
             snap.release(layer)  # its K/V, if the scorer read them: the buffers serve the next layers
@@ -219,8 +220,8 @@ def map_layers(fn: Callable[[int], T], n_layer: int, *, parallel: bool,
     as it is free: ``fetch(layer)`` (the engine reads, which the snapshot serialises), then
     ``fn(layer)``, numpy's BLAS held to one thread each. Layers differ in cost (ProtoKV's
     first layers take twice its last), and threads that waited for each other at every
-    pair of layers lost about a tenth of the compression (ProtoKV and Expected Attention
-    at 8k, measured interleaved). At most ``AHEAD`` layers per thread are started beyond the
+    pair of layers lost a few percent of the compression (bench/RESULTS.md, "Layers as
+    threads free up"). At most ``AHEAD`` layers per thread are started beyond the
     one the caller waits for, so that finished layers do not pile up behind a slow one.
     ``fn`` must read the engine only through the snapshot. An error in one layer reaches
     the caller as it is, once the layers in flight have finished; no other layer starts."""
