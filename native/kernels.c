@@ -677,8 +677,12 @@ __attribute__((target("avx2"))) static void edgekv_irregularity_avx2(const float
 // each key and prototype in the r principal axes, products over those r channels with
 // FMAs (r / 64 of a full product at d = 64), and the same bounds for what the other
 // channels and the roundings can add, with no bytes' error to add. A tile is 6 keys by 16
-// prototypes, 12 accumulators of the 16 registers. Without a screen the kernel declines:
-// numpy's BLAS products are as fast as this tile's (edgekv_best_two's header).
+// prototypes, 12 accumulators of the 16 registers. The screen runs over a block's tiles
+// first; then the keys that passed each group of 8 prototypes are gathered, six at a time,
+// so that the products that pass run at the tile's rate (one at a time, each load of a
+// prototype channel served one key, and a tile with many passes computed all 12 groups).
+// Without a screen the kernel declines: numpy's BLAS products are as fast as this tile's
+// (edgekv_best_two's header).
 #define EDGEKV_TILE2_KEYS 6
 // Keys a block holds (8 tiles): a 16-prototype half of pt (4 KiB at d = 64) and of the
 // screen's rotated prototypes stays in L1 while the block's tiles pass over it.
@@ -816,28 +820,6 @@ __attribute__((target("avx2"), always_inline)) static inline void edgekv_fold_la
     *arg = best_arg;
 }
 
-// One key's products with the 8 prototypes at P (channel k at P + k * ld), in eight
-// chains: a screened survivor is computed alone, and one chain's latency would set the pace
-__attribute__((target("avx2,fma"), always_inline)) static inline __m256 edgekv_product256(const float * x, int64_t d,
-                                                                                        const float * P, int64_t ld) {
-    __m256 a[8];
-    for (int u = 0; u < 8; u++) {
-        a[u] = _mm256_setzero_ps();
-    }
-    int64_t k = 0;
-    for (; k + 8 <= d; k += 8) {
-#pragma GCC unroll 8
-        for (int u = 0; u < 8; u++) {
-            a[u] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + k + u), _mm256_loadu_ps(P + (k + u) * ld), a[u]);
-        }
-    }
-    for (; k < d; k++) {
-        a[0] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + k), _mm256_loadu_ps(P + k * ld), a[0]);
-    }
-    return _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])),
-                         _mm256_add_ps(_mm256_add_ps(a[4], a[5]), _mm256_add_ps(a[6], a[7])));
-}
-
 // edgekv_update512 on 8 lanes: v above the lane's top (ordered) takes its place, the old
 // top becomes second; otherwise second = max(second, v), a NaN v included
 __attribute__((target("avx2"), always_inline)) static inline float edgekv_update256(__m256 v, __m256i idx, float * top,
@@ -851,6 +833,73 @@ __attribute__((target("avx2"), always_inline)) static inline float edgekv_update
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));  // the largest, for the bound
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+
+// Up to six keys (xs[0..m-1]) against the 8 prototypes at P (channel k at P + k * ld), in
+// two chains a key (even and odd channels): the keys that passed one group's screen,
+// gathered from the block, so that each load of P serves them all
+#define EDGEKV_GROUP256(i)                                                                  \
+    if (m > (i)) {                                                                          \
+        a##i = _mm256_fmadd_ps(_mm256_broadcast_ss(x##i + k), p0, a##i);                    \
+        b##i = _mm256_fmadd_ps(_mm256_broadcast_ss(x##i + k + 1), p1, b##i);                \
+    }
+#define EDGEKV_GROUP1(i)                                                                    \
+    if (m > (i)) {                                                                          \
+        a##i = _mm256_fmadd_ps(_mm256_broadcast_ss(x##i + k), p0, a##i);                    \
+    }
+__attribute__((target("avx2,fma"), always_inline)) static inline void edgekv_group256(
+        const float * const xs[EDGEKV_TILE2_KEYS], const int m, int64_t d, const float * P, int64_t ld,
+        __m256 out[EDGEKV_TILE2_KEYS]) {
+    const float *x0 = xs[0], *x1 = xs[1], *x2 = xs[2], *x3 = xs[3], *x4 = xs[4], *x5 = xs[5];
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
+    __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0;
+    int64_t k = 0;
+    for (; k + 2 <= d; k += 2) {
+        const __m256 p0 = _mm256_loadu_ps(P + k * ld), p1 = _mm256_loadu_ps(P + (k + 1) * ld);
+        EDGEKV_GROUP256(0)
+        EDGEKV_GROUP256(1)
+        EDGEKV_GROUP256(2)
+        EDGEKV_GROUP256(3)
+        EDGEKV_GROUP256(4)
+        EDGEKV_GROUP256(5)
+    }
+    if (k < d) {  // an odd channel count's last channel, on the first chain
+        const __m256 p0 = _mm256_loadu_ps(P + k * ld);
+        EDGEKV_GROUP1(0)
+        EDGEKV_GROUP1(1)
+        EDGEKV_GROUP1(2)
+        EDGEKV_GROUP1(3)
+        EDGEKV_GROUP1(4)
+        EDGEKV_GROUP1(5)
+    }
+    out[0] = _mm256_add_ps(a0, b0), out[1] = _mm256_add_ps(a1, b1), out[2] = _mm256_add_ps(a2, b2);
+    out[3] = _mm256_add_ps(a3, b3), out[4] = _mm256_add_ps(a4, b4), out[5] = _mm256_add_ps(a5, b5);
+}
+
+// edgekv_group256 with m a constant in each call, so that each count gets its own loop
+__attribute__((target("avx2,fma"))) static void edgekv_groups256(const float * const xs[EDGEKV_TILE2_KEYS], int m,
+                                                                 int64_t d, const float * P, int64_t ld,
+                                                                 __m256 out[EDGEKV_TILE2_KEYS]) {
+    switch (m) {
+        case 1: edgekv_group256(xs, 1, d, P, ld, out); break;
+        case 2: edgekv_group256(xs, 2, d, P, ld, out); break;
+        case 3: edgekv_group256(xs, 3, d, P, ld, out); break;
+        case 4: edgekv_group256(xs, 4, d, P, ld, out); break;
+        case 5: edgekv_group256(xs, 5, d, P, ld, out); break;
+        default: edgekv_group256(xs, 6, d, P, ld, out); break;
+    }
+}
+
+// A key's products with one group of 8 prototypes (h: the half's first or second) into its
+// lanes, and its best so far (lb) and screen threshold (thr) raised
+__attribute__((target("avx2"), always_inline)) static inline void edgekv_take256(__m256 v, __m256i idx, edgekv_lanes * s,
+                                                                                int h, float * lb, float * thr, float cut) {
+    const float best = edgekv_update256(v, idx, s->top + 8 * h, s->second + 8 * h, s->arg + 8 * h);
+    if (best > *lb) {
+        *lb = best;
+        *thr = best - cut;
+    }
 }
 
 // Lanes 0..7 set where prototype j + lane exists (columns past c score -inf)
@@ -970,6 +1019,12 @@ __attribute__((target("avx2,fma"))) static bool edgekv_best_two_avx2(const float
         // prototypes follow the cells): the first half computed whole sets each key's best
         // so far; the order does not change the answer (a tie is the caller's to decide)
         const int64_t j0 = prune ? (lo * c / n) / 16 * 16 : 0;
+        const float * xs_all[EDGEKV_BLOCK2];  // the block's keys, and the screen's rows of them
+        const float * as_all[EDGEKV_BLOCK2];
+        for (int i = 0; i < tiles * EDGEKV_TILE2_KEYS; i++) {
+            xs_all[i] = i < nb ? x + (lo + i) * d : zero_row;
+            as_all[i] = i < nb ? xa + (int64_t) i * rw : zero_row;
+        }
         for (int64_t jj = 0; jj < cp; jj += 16) {
             const int64_t j = (j0 + jj) % cp;
             const __m256 valid[2] = {edgekv_valid256(j, c), edgekv_valid256(j + 8, c)};
@@ -977,49 +1032,54 @@ __attribute__((target("avx2,fma"))) static bool edgekv_best_two_avx2(const float
                                                   _mm256_set1_epi32((int32_t) j));
             const __m256i idx[2] = {idx0, _mm256_add_epi32(idx0, _mm256_set1_epi32(8))};
             const __m256 ninf = _mm256_set1_ps(-INFINITY);
-            const bool whole = !prune || jj == 0;
+            if (!prune || jj == 0) {  // the whole half, tile by tile in registers
+                for (int t = 0; t < tiles; t++) {
+                    const int i0 = t * EDGEKV_TILE2_KEYS;
+                    const int rows = nb - i0 < EDGEKV_TILE2_KEYS ? (int) (nb - i0) : EDGEKV_TILE2_KEYS;
+                    __m256 acc[EDGEKV_TILE2_KEYS][2];
+                    edgekv_products256(xs_all + i0, d, pt + j, cp, acc);
+                    for (int u = 0; u < rows; u++) {
+                        for (int h = 0; h < 2; h++) {
+                            edgekv_take256(_mm256_blendv_ps(ninf, acc[u][h], valid[h]), idx[h], &st[i0 + u], h,
+                                           &lb[i0 + u], &thr[i0 + u], cut[i0 + u]);
+                        }
+                    }
+                }
+                continue;
+            }
+            // the screen, every tile: which 8-prototype groups may beat each key's best so far
+            uint8_t pass[2][EDGEKV_BLOCK2];
+            int n_pass[2] = {0, 0};
             for (int t = 0; t < tiles; t++) {
-                const float * xs[EDGEKV_TILE2_KEYS];
-                const float * as[EDGEKV_TILE2_KEYS];
                 const int i0 = t * EDGEKV_TILE2_KEYS;
                 const int rows = nb - i0 < EDGEKV_TILE2_KEYS ? (int) (nb - i0) : EDGEKV_TILE2_KEYS;
-                for (int u = 0; u < EDGEKV_TILE2_KEYS; u++) {
-                    xs[u] = u < rows ? x + (lo + i0 + u) * d : zero_row;
-                    as[u] = u < rows ? xa + (i0 + u) * rw : zero_row;
+                const unsigned bits = edgekv_screen256(as_all + i0, r, pa + j, cp, rest_x + i0, thr + i0,
+                                                       _mm256_loadu_ps(rest_p + j), _mm256_loadu_ps(rest_p + j + 8),
+                                                       j + 16 > c ? valid : NULL);
+                screened += rows;
+                for (int u = 0; bits != 0 && u < rows; u++) {
+                    const unsigned b = bits >> 2 * u & 3;
+                    live += b != 0;  // counted in 16-prototype halves, as the AVX-512 body
+                    pass[0][n_pass[0]] = (uint8_t) (i0 + u);
+                    n_pass[0] += (int) (b & 1);
+                    pass[1][n_pass[1]] = (uint8_t) (i0 + u);
+                    n_pass[1] += (int) (b >> 1);
                 }
-                __m256 acc[EDGEKV_TILE2_KEYS][2];
-                unsigned bits = 0;
-                int n_live = 0;
-                if (!whole) {  // the screen: which 8-prototype groups may beat each key's best so far
-                    bits = edgekv_screen256(as, r, pa + j, cp, rest_x + i0, thr + i0, _mm256_loadu_ps(rest_p + j),
-                                            _mm256_loadu_ps(rest_p + j + 8), j + 16 > c ? valid : NULL);
-                    screened += rows;
-                    if (bits == 0) {
-                        continue;
+            }
+            // the keys that passed, group by group, up to six a tile
+            for (int h = 0; h < 2; h++) {
+                for (int s = 0; s < n_pass[h]; s += EDGEKV_TILE2_KEYS) {
+                    const int m = n_pass[h] - s < EDGEKV_TILE2_KEYS ? n_pass[h] - s : EDGEKV_TILE2_KEYS;
+                    const float * xs[EDGEKV_TILE2_KEYS];
+                    for (int u = 0; u < EDGEKV_TILE2_KEYS; u++) {
+                        xs[u] = u < m ? xs_all[pass[h][s + u]] : zero_row;
                     }
-                    n_live = __builtin_popcount(bits);
-                    for (int u = 0; u < rows; u++) {  // counted in 16-prototype halves, as the AVX-512 body
-                        live += (bits >> 2 * u & 3) != 0;
-                    }
-                }
-                // above this many surviving groups (of 12), the whole tile in registers is cheaper
-                const bool dense = whole || n_live > 5;
-                if (dense) {
-                    edgekv_products256(xs, d, pt + j, cp, acc);
-                }
-                for (int u = 0; u < rows; u++) {
-                    const int i = i0 + u;
-                    for (int h = 0; h < 2; h++) {
-                        if (!whole && !(bits >> (2 * u + h) & 1)) {
-                            continue;
-                        }
-                        const __m256 p = dense ? acc[u][h] : edgekv_product256(xs[u], d, pt + j + 8 * h, cp);
-                        const float best = edgekv_update256(_mm256_blendv_ps(ninf, p, valid[h]), idx[h],
-                                                            st[i].top + 8 * h, st[i].second + 8 * h, st[i].arg + 8 * h);
-                        if (best > lb[i]) {
-                            lb[i] = best;
-                            thr[i] = best - cut[i];
-                        }
+                    __m256 g[EDGEKV_TILE2_KEYS];
+                    edgekv_groups256(xs, m, d, pt + j + 8 * h, cp, g);
+                    for (int u = 0; u < m; u++) {
+                        const int i = pass[h][s + u];
+                        edgekv_take256(_mm256_blendv_ps(ninf, g[u], valid[h]), idx[h], &st[i], h, &lb[i], &thr[i],
+                                       cut[i]);
                     }
                 }
             }

@@ -721,14 +721,14 @@ def test_prototypes_closer_than_a_bytes_step_are_told_apart() -> None:
 
 
 @pytest.mark.parametrize(("n", "c", "d", "r"), [(1000, 100, 20, 8), (700, 70, 64, 32), (999, 200, 48, 12),
-                                                (13, 33, 16, 4), (300, 64, 256, 20)])
+                                                (13, 33, 16, 4), (300, 64, 256, 20), (500, 64, 33, 8)])
 @pytest.mark.parametrize("cpu", ["native", "avx2"])
 def test_the_screened_kernel_finds_the_best_prototype(n: int, c: int, d: int, r: int, cpu: str,
                                                        monkeypatch) -> None:
     """``best_two`` with a screen of r axes, on either body: for every key whose best
     product beats the others by more than float32's rounding, that prototype and its product,
-    at head sizes and screen widths ProtoKV does not pick (channels past the last eight,
-    r past 16, short tiles), over keys whose axes carry most but not all of their length."""
+    at head sizes and screen widths ProtoKV does not pick (channels past the last eight, an
+    odd count, r past 16, short tiles), over keys whose axes carry most but not all of their length."""
     from edgekv import kernels
     from edgekv.methods.protokv import principal_axes
 
