@@ -224,6 +224,19 @@ def test_rff_gamma_is_one_over_the_median_distance() -> None:
     assert rff_gamma(np.ones((4, 2))) == 1.0
 
 
+@pytest.mark.parametrize("m", [2, 3, 24, 25])
+def test_rff_gamma_is_numpys_median_float(m: int) -> None:
+    rng = np.random.default_rng(m)
+    for scale in (1e-3, 1.0, 1e3):
+        x = rng.standard_normal((m, 64)) * scale
+        sq = np.einsum("nd,nd->n", x, x)
+        d2 = sq[:, None] + sq[None, :] - 2.0 * (x @ x.T)
+        med = float(np.median(np.sqrt(np.maximum(d2[np.triu_indices(m, 1)], 0.0))))
+        assert rff_gamma(x) == 1.0 / med
+    x[0, 0] = np.nan  # no median: the default width
+    assert rff_gamma(x) == 1.0
+
+
 def test_prototypes_are_unit_group_sums() -> None:
     rng = np.random.default_rng(2)
     x = rng.standard_normal((30, 4))
@@ -678,6 +691,10 @@ def test_principal_axes_are_orthonormal_and_span_the_largest_axes() -> None:
     top = q[:, :16]
     assert np.linalg.norm(top - axes @ (axes.T @ top)) < 1e-3
     assert principal_axes(np.full((8, 8), np.nan), 2) is None
+    # keys of lower rank than r (and none at all): still r orthonormal columns
+    for low in (np.diag(np.r_[np.ones(3), np.zeros(61)]), np.ones((64, 64)), np.zeros((64, 64))):
+        axes = principal_axes(low, 16)
+        assert np.abs(axes.T @ axes - np.eye(16)).max() < 1e-13
 
 
 @pytest.mark.parametrize(("n", "d", "rank", "noise"), [(4100, 64, 6, 0.05), (2000, 64, 12, 0.3),

@@ -95,17 +95,20 @@ def _irregularity(x, bounds):  # pragma: no cover - compiled
 @njit(cache=True, nogil=True)
 def _regular_prototypes(x, bounds, regular):  # pragma: no cover - compiled
     """float [c, d]: each chunk's regular rows of ``x`` summed in order and scaled to unit
-    length (numpy's pairwise norm); chunks whose sum has no length give none."""
+    length (numpy's pairwise norm); chunks whose sum has no length give none. numpy's masked
+    sum adds 0.0 for an irregular row, from +0.0: a sum that starts at +0.0 is never -0.0, and
+    adding 0.0 leaves any other number as it is, so skipping those rows gives the same floats
+    (and lets the row's loop vectorise)."""
     n, d = x.shape
     out = np.empty((bounds.size - 1, d))
     acc = np.empty(d)
     c = 0
     for i in range(bounds.size - 1):
-        lo, hi = bounds[i], bounds[i + 1]
-        for t in range(lo, hi):
-            for j in range(d):
-                e = x[t, j] if regular[t] else 0.0  # an irregular row adds 0.0, as numpy's masked sum does
-                acc[j] = (0.0 if t == lo else acc[j]) + e  # from +0.0, as numpy's sum
+        acc[:] = 0.0
+        for t in range(bounds[i], bounds[i + 1]):
+            if regular[t]:
+                for j in range(d):
+                    acc[j] += x[t, j]
         norm = np.sqrt(sum_squares(acc, 0, d))
         if norm > 0:
             out[c] = acc / norm
@@ -168,10 +171,28 @@ def rff_gamma(x: np.ndarray) -> float:
     if m < 2:
         return 1.0
     sq = np.einsum("nd,nd->n", x, x)
-    d2 = sq[:, None] + sq[None, :] - 2.0 * (x @ x.T)
-    iu = np.triu_indices(m, 1)
-    med = float(np.median(np.sqrt(np.maximum(d2[iu], 0.0))))
+    med = _median_distance(sq, x @ x.T)
     return 1.0 / med if med > 0 else 1.0
+
+
+@njit(cache=True, nogil=True)
+def _median_distance(sq, gram):  # pragma: no cover - compiled
+    """``np.median(np.sqrt(np.maximum(d2[iu], 0.0)))`` over the pairs i < j of
+    ``d2 = sq[:, None] + sq[None, :] - 2.0 * gram``, the same float (NaN if any is): numpy's
+    triangle indices and median cost ten times the arithmetic for a head's 24 rows."""
+    m = sq.size
+    dist = np.empty(m * (m - 1) // 2)
+    k = 0
+    for i in range(m):
+        for j in range(i + 1, m):
+            d2 = (sq[i] + sq[j]) - 2.0 * gram[i, j]
+            if d2 != d2:
+                return np.nan
+            dist[k] = np.sqrt(d2 if d2 > 0.0 else 0.0)
+            k += 1
+    dist.sort()
+    h = dist.size // 2
+    return dist[h] if dist.size % 2 else (dist[h - 1] + dist[h]) / 2.0
 
 
 def lsh_buckets(x: np.ndarray, n_bits: int, gamma: float, w0: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -290,10 +311,74 @@ def principal_axes(moments: np.ndarray, r: int, steps: int = 3) -> np.ndarray | 
     orthonormal columns, not exact axes). None when the moments are not finite."""
     if not np.isfinite(moments).all():
         return None
-    q = np.eye(moments.shape[0])[:, np.argsort(-np.diag(moments), kind="stable")[:r]]
+    start = np.argsort(-np.diag(moments), kind="stable")[:r]
+    return _subspace_steps(np.ascontiguousarray(moments, np.float64), start, steps)
+
+
+@njit(cache=True, nogil=True)
+def _subspace_steps(m, start, steps):  # pragma: no cover - compiled
+    """``steps`` times: q = orthonormal(m @ q), from the unit columns at ``start``.
+    Compiled: numpy's QR of a 64 x 16 block cost 60 microseconds a call, mostly its
+    overhead."""
+    d, r = m.shape[0], start.size
+    q = np.zeros((d, r))
+    for a in range(r):
+        q[start[a], a] = 1.0
     for _ in range(steps):
-        q = np.linalg.qr(moments @ q)[0]
+        p = np.zeros((d, r))
+        for i in range(d):
+            for k in range(d):
+                v = m[i, k]
+                for a in range(r):  # along a row of q: independent sums, vectorised
+                    p[i, a] += v * q[k, a]
+        q = _orthonormal_rows(p.T.copy()).T.copy()
     return q
+
+
+@njit(cache=True, nogil=True)
+def _orthonormal_rows(q):  # pragma: no cover - compiled
+    """The rows of ``q`` [r <= d, d] made orthonormal in order, in place (Gram-Schmidt, each
+    row projected twice, which leaves it orthogonal to float64's rounding). A row that
+    nearly lies in the span of those before it (keys of lower rank than r) is replaced by
+    the first unit vector that does not, so the result always has r orthonormal rows."""
+    r, d = q.shape
+    unit = 0
+    for j in range(r):
+        size = np.sqrt(_dot(q[j], q[j]))
+        for _ in range(d + 1):
+            for _ in range(2):
+                for i in range(j):
+                    dot = _dot(q[i], q[j])
+                    for k in range(d):
+                        q[j, k] -= dot * q[i, k]
+            norm = np.sqrt(_dot(q[j], q[j]))
+            if norm > 0 and norm > 1e-10 * size:
+                for k in range(d):
+                    q[j, k] /= norm
+                break
+            q[j, :] = 0.0  # in the span of the others: the next unit vector instead
+            q[j, unit % d] = 1.0
+            unit += 1
+            size = 1.0
+    return q
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _dot(a, b):  # pragma: no cover - compiled
+    """a . b in four interleaved sums: one chain of adds was most of the axes' time."""
+    s0 = s1 = s2 = s3 = 0.0
+    n = a.size
+    k = 0
+    while k + 4 <= n:
+        s0 += a[k] * b[k]
+        s1 += a[k + 1] * b[k + 1]
+        s2 += a[k + 2] * b[k + 2]
+        s3 += a[k + 3] * b[k + 3]
+        k += 4
+    while k < n:
+        s0 += a[k] * b[k]
+        k += 1
+    return (s0 + s1) + (s2 + s3)
 
 
 def _settle(x: np.ndarray, protos: np.ndarray, best: np.ndarray, top: np.ndarray, second: np.ndarray,
@@ -513,6 +598,8 @@ class ProtoKV(ScorerMethod):
         _regular_prototypes(x, np.array([0, 2]), np.ones(2, np.bool_))
         top_irregular(irregularity(x, np.array([0, 2])), 1)
         assign(x, np.eye(2, 4))
+        principal_axes(np.eye(4), 4)
+        rff_gamma(np.eye(2, 4))
         lexicographic_rank(np.zeros(2), np.zeros(2))
         pooled_rank(np.zeros(2), np.zeros(2, np.int64))
 
