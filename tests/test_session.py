@@ -220,6 +220,41 @@ def test_logits_survive_a_compression(smollm2) -> None:
         assert len(list(s.generate_tokens(4))) >= 1
 
 
+def test_a_compression_pauses_the_cyclic_gc_and_restores_it(smollm2, monkeypatch) -> None:
+    """The collector is off while the method compresses and as it was afterwards, also
+    when the method fails."""
+    import gc
+
+    toks = smollm2.tokenize(PROMPT * 3)
+    with Session(smollm2, method="knorm", budget=48, n_ctx=256, n_threads=2) as s:
+        s.feed(toks)
+        seen = []
+        inner = s.method.compress
+
+        def spy(*args, **kwargs):
+            seen.append(gc.isenabled())
+            return inner(*args, **kwargs)
+
+        monkeypatch.setattr(s.method, "compress", spy)
+        assert gc.isenabled()
+        s.compress(64)
+        assert seen == [False] and gc.isenabled()
+        gc.disable()
+        try:
+            s.compress(56)
+            assert seen == [False, False] and not gc.isenabled()
+        finally:
+            gc.enable()
+
+        def fail(*args, **kwargs):
+            raise EdgekvError("no")
+
+        monkeypatch.setattr(s.method, "compress", fail)
+        with pytest.raises(EdgekvError):
+            s.compress(48)
+        assert gc.isenabled()
+
+
 @pytest.mark.slow
 def test_context_shift_matches_llama_cpp_semantics(smollm2) -> None:
     """llama.cpp's context shift: positions are shifted down, n_keep cells stay,
