@@ -18,7 +18,7 @@ from edgekv.config import BudgetRule
 from edgekv.errors import EdgekvError
 from edgekv.kvcache import CacheState, StateEngine, layout, native_available
 from edgekv.kvcache import native as native_mod
-from edgekv.kvcache.native import NativeEngine, NativeUnsupported, ReadBuffers, load
+from edgekv.kvcache.native import READ_BYTES, NativeEngine, NativeUnsupported, ReadBuffers, load
 from edgekv.kvcache.snapshot import unrotate
 from edgekv.llama import Context, cpu_flag
 from edgekv.methods import get_method, lagkv
@@ -289,6 +289,11 @@ def test_read_buffers_are_reused_only_once_released(smollm2, toks) -> None:
     kept = [(b.ctypes.data, b.nbytes) for b in small._pool]
     big = small.take((1 << 19,))  # more than the pool may keep: handed out, the pool left as it was
     assert big.size == 1 << 19 and [(b.ctypes.data, b.nbytes) for b in small._pool] == kept
+    # the engine keeps two full reads' buffers, headroom included: one scored, one read ahead
+    full = (READ_BYTES // 4,)
+    eng._buffers._pool = []
+    scored, ahead = eng._buffers.take(full), eng._buffers.take(full)
+    assert len(eng._buffers._pool) == 2 and not np.shares_memory(scored, ahead)
     ctx.close()
 
 

@@ -174,7 +174,10 @@ class NativeEngine:
         self._gen = 0  # bumped whenever the cache changes; a snapshot reads lazily and must not outlive it
         self._biased = False  # attention adds log(counts): merged cells weigh what they stand for
         self._alibi = _alibi_slopes(ctx.model.info, self.n_kv_head)  # None: the model has no ALiBi
-        self._buffers = ReadBuffers(2 * READ_BYTES)
+        # two reads' buffers, each with take()'s headroom: one being scored, one read ahead.
+        # Without the headroom in the cap only one full read fit (8k cells, five layers of
+        # K: 35 MB), and three to five of a ProtoKV compression's six reads took fresh pages
+        self._buffers = ReadBuffers(2 * (READ_BYTES + READ_BYTES // 8))
         if (n_head_kv, hk, hv) != (self.n_kv_head, self.head_dim_k, self.head_dim_v):
             raise NativeUnsupported("native engine: the cache's geometry differs from the model's")
 
