@@ -109,7 +109,6 @@ class Stats:
                    events=[Event(*e) for e in d.get("events", [])])
 
 
-
 @contextmanager
 def _cyclic_gc_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off while a compression runs (and on again after,
@@ -124,6 +123,7 @@ def _cyclic_gc_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
 
 class Session:
     """One sequence on one model, with bounded-memory decoding.
