@@ -129,3 +129,30 @@ def irregularity(x: np.ndarray, bounds: np.ndarray) -> np.ndarray | None:
     if got < 0:
         raise ValueError(f"edgekv_irregularity refused {n} rows in chunks {bounds.tolist()[:4]}... ({got})")
     return delta
+
+
+def quadratic_forms(x: np.ndarray, mats: np.ndarray) -> np.ndarray | None:
+    """float32 [g, n]: ``x_i^T C x_i`` for every row of the float32 ``x`` [n, d] and each of
+    ``mats`` [g, d, d] (any float dtype, symmetric or not), over the matrices' upper
+    triangles: half numpy's multiply-adds, summed in float32 in the order
+    ``native/kernels.h`` gives, on every CPU alike. None where the kernel cannot run (not
+    built, or no AVX2 with FMA)."""
+    m = _module()
+    if m is None:
+        return None
+    if x.dtype != np.float32 or x.ndim != 2 or mats.ndim != 3 or mats.shape[1:] != (x.shape[1],) * 2:
+        raise ValueError(f"quadratic_forms takes float32 [n, d] and [g, d, d], got {x.dtype} {x.shape}, {mats.shape}")
+    x = np.ascontiguousarray(x)
+    (n, d), g = x.shape, mats.shape[0]
+    rows, cols = np.triu_indices(d)  # row by row, each row's columns ascending: the kernel's order
+    upper = np.where(rows == cols, mats[:, rows, cols], mats[:, rows, cols] + mats[:, cols, rows])
+    w = np.ascontiguousarray(upper.T, np.float32)  # [entry, g]: a step's g entries side by side
+    quad = np.empty((g, n), np.float32)
+    ffi = m.ffi
+    got = m.lib.edgekv_quadratic_forms(ffi.from_buffer("float[]", x), n, d, ffi.from_buffer("float[]", w), g,
+                                       ffi.from_buffer("float[]", quad))
+    if got == _UNSUPPORTED:
+        return None
+    if got < 0:
+        raise MemoryError(f"edgekv_quadratic_forms failed ({got}) for {n} rows of {d}")
+    return quad

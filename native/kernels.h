@@ -57,3 +57,11 @@ int32_t edgekv_best_two(const float * x, int64_t n, int64_t d, const float * pt,
 int32_t edgekv_irregularity(const float * x, int64_t n, int64_t d, const int64_t * bounds, int64_t n_chunks,
                             double * delta);
 
+// Expected Attention's covariance term: quad[h * n + i] = x_i^T C_h x_i for each row x_i
+// of x [n, d] (float32, row-major) and each of g matrices C_h, given by their upper
+// triangles: w holds, for i = 0..d-1 and then j = i..d-1, the g entries of (i, j)
+// (C_h[i][i] on the diagonal, C_h[i][j] + C_h[j][i] above it), d (d + 1) / 2 * g floats.
+// Sums in float32 with FMAs: for each i, w[i][j] x_j over j ascending, times x_i, added
+// over i ascending. The same floats on every CPU it runs on (AVX2 with FMA, AVX-512 CPUs
+// included). Returns EDGEKV_KERNEL_AVX2, or < 0.
+int32_t edgekv_quadratic_forms(const float * x, int64_t n, int64_t d, const float * w, int64_t g, float * quad);

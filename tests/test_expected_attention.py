@@ -9,8 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from edgekv import kernels
 from edgekv.errors import EdgekvError
 from edgekv.kvcache.rope import Rope
+from edgekv.llama import cpu_flag
 from edgekv.methods import base, expected_attention
 from edgekv.methods.expected_attention import expected_attention_scores
 from edgekv.session import Session
@@ -46,14 +48,58 @@ def _pre_rope(sess: Session) -> tuple[np.ndarray, np.ndarray]:
     return np.stack([rope.rotate(q[r], np.broadcast_to(-pos, q.shape[1:3])) for r in range(q.shape[0])]), pos
 
 
+@pytest.mark.parametrize(("n", "d", "g"), [(1, 64, 3), (23, 64, 3), (24, 64, 3), (2500, 64, 3), (100, 33, 7),
+                                         (49, 128, 2), (7, 5, 1), (0, 64, 3)])
+def test_the_kernels_quadratic_forms_are_the_float64_forms(n: int, d: int, g: int) -> None:
+    # the covariance term over the matrices' upper triangles, 24 keys and 3 matrices a tile:
+    # partial blocks of keys, a group of 7 (tiles of 3, 3 and 1), head sizes off the 8-channel
+    # transposes; the matrices need not be symmetric (C[i][j] + C[j][i] above the diagonal)
+    from edgekv import kernels
+
+    rng = np.random.default_rng(n + d + g)
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    mats = rng.standard_normal((g, d, d))
+    got = kernels.quadratic_forms(x, mats)
+    if not (cpu_flag("avx2") and cpu_flag("fma")):
+        assert got is None  # numpy's products serve
+        return
+    x64 = x.astype(np.float64)
+    want = np.einsum("nd,gde,ne->gn", x64, mats, x64)
+    # float32 sums of d (d + 1) / 2 products in two levels: a few units of float32's epsilon
+    # times the sum of the products' magnitudes
+    scale = np.einsum("nd,gde,ne->gn", np.abs(x64), np.abs(mats), np.abs(x64))
+    assert got.shape == (g, n) and got.dtype == np.float32
+    assert np.all(np.abs(got - want) <= 8 * 2.0**-24 * np.sqrt(d) * scale)
+
+
+def test_the_kernel_scores_what_numpy_scores(monkeypatch) -> None:
+    # the host kernel's covariance term and numpy's float32 products: the same scores to
+    # float32's rounding of that term
+    rng = np.random.default_rng(9)
+    n_head, n_kv, d, n = 9, 3, 64, 3000
+    mu = rng.standard_normal((n_head, d))
+    a = rng.standard_normal((n_head, d, d)) / d
+    cov = a @ a.transpose(0, 2, 1)
+    k = rng.standard_normal((n, n_kv, d)).astype(np.float32)
+    scored = np.ones((n_kv, n), bool)
+    scored[:, :4] = False
+    got = expected_attention_scores(mu, cov, k, None, scored, 0.125)
+    monkeypatch.setattr(kernels, "quadratic_forms", lambda x, mats: None)
+    want = expected_attention_scores(mu, cov, k, None, scored, 0.125)
+    assert np.array_equal(np.isinf(got), np.isinf(want))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
 def test_scores_in_chunks_of_cells_are_the_one_pass_scores(monkeypatch) -> None:
-    # every sum runs over channels only, so scoring 1024 cells at a time (to stay in cache)
-    # gives the whole layer's scores to float32's rounding of the covariance term's products.
+    # numpy's path, where the host kernel cannot run: every sum runs over channels only, so
+    # scoring 1024 cells at a time (to stay in cache) gives the whole layer's scores to
+    # float32's rounding of the covariance term's products.
     # Not bit for bit on every CPU: OpenBLAS's AVX2 (Haswell) sgemm sums a row's products
     # in an order that depends on how many rows the product has (tested on an AMD EPYC
     # Zen 3: the first 1024 rows of a 2500-row product differ from a 1024-row one in the
     # last bits). 2500 cells: two full chunks and a partial one; a gap in one head's scored
     # cells takes the gather path
+    monkeypatch.setattr(kernels, "quadratic_forms", lambda x, mats: None)
     rng = np.random.default_rng(8)
     n_head, n_kv, d, n = 9, 3, 64, 2500
     mu = rng.standard_normal((n_head, d))

@@ -25,14 +25,15 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
+from .. import kernels
 from ..errors import EdgekvError
 from ..gguf_info import ModelInfo
 from ..kvcache.snapshot import KVSnapshot
 from .base import ScorerMethod
 from .pairwise import sum_squares
 
-# Cells a pass for the covariance term: its sums run over channels only, so a chunk's scores
-# are the whole layer's to float32's rounding (tested; bit for bit where the BLAS sums a
+# Cells a pass for numpy's covariance term, where the host kernel cannot run: its sums run
+# over channels only, so a chunk's scores are the whole layer's to float32's rounding (tested; bit for bit where the BLAS sums a
 # row's products in one order whatever the row count, which OpenBLAS's AVX2 sgemm does
 # not), and a chunk's [chunk, group * d] products stay in cache.
 # The mean term stays one pass: a float64
@@ -116,14 +117,8 @@ def expected_attention_scores(mu: np.ndarray, cov: np.ndarray | None, k: np.ndar
         # small machine memory bandwidth, not arithmetic, bounds these passes
         kh = np.ascontiguousarray(k[cols, h])
         logits = kq_scale * (mu[heads] @ kh.astype(np.float64).T)  # [group, c]
-        if cov is not None:  # k^T C k for every key and query head: float32 products [chunk, d] x [d, group * d]
-            covs = cov[heads].transpose(1, 0, 2).reshape(d, group * d).astype(np.float32)
-            for c0, c1 in _chunks(kh.shape[0]):
-                k32 = np.ascontiguousarray(kh[c0:c1], np.float32)  # float32 keys: a view
-                # k^T C k per key and query head: one batched product [c, group, d] x [c, d, 1] (what
-                # numpy 2.4's einsum("cgd,cd->gc", optimize=True) runs, without parsing it per call)
-                quad = np.matmul((k32 @ covs).reshape(-1, group, d), k32[:, :, None])[:, :, 0].T
-                logits[:, c0:c1] += 0.5 * kq_scale**2 * quad.astype(np.float64)
+        if cov is not None:
+            logits += 0.5 * kq_scale**2 * quadratic_forms(np.ascontiguousarray(kh, np.float32), cov[heads])
         if bias is not None:
             logits += bias[h, cols]
         logits -= logits.max(axis=1, keepdims=True)
@@ -134,6 +129,23 @@ def expected_attention_scores(mu: np.ndarray, cov: np.ndarray | None, k: np.ndar
             s = (s + epsilon) * vnorm[cols, h]
         out[h, cols] = s
     return out
+
+
+def quadratic_forms(k: np.ndarray, cov: np.ndarray) -> np.ndarray:
+    """float64 [g, n]: ``k_i^T C k_i`` in float32 for every key of ``k`` [n, d] (float32) and
+    each of ``cov`` [g, d, d]: the host kernel over the matrices' upper triangles, or where
+    it cannot run, numpy's float32 products [chunk, d] x [d, g * d]. The two sum in other
+    orders, so their floats differ in the last bits (tested against float64)."""
+    quad = kernels.quadratic_forms(k, cov)
+    if quad is None:
+        g, d, _ = cov.shape
+        covs = cov.transpose(1, 0, 2).reshape(d, g * d).astype(np.float32)
+        quad = np.empty((g, k.shape[0]), np.float32)
+        for c0, c1 in _chunks(k.shape[0]):
+            # one batched product [c, g, d] x [c, d, 1] (what numpy 2.4's
+            # einsum("cgd,cd->gc", optimize=True) runs, without parsing it per call)
+            quad[:, c0:c1] = np.matmul((k[c0:c1] @ covs).reshape(-1, g, d), k[c0:c1, :, None])[:, :, 0].T
+    return quad.astype(np.float64)
 
 
 def _chunks(n: int) -> list[tuple[int, int]]:
