@@ -131,28 +131,42 @@ def irregularity(x: np.ndarray, bounds: np.ndarray) -> np.ndarray | None:
     return delta
 
 
-def quadratic_forms(x: np.ndarray, mats: np.ndarray) -> np.ndarray | None:
-    """float32 [g, n]: ``x_i^T C x_i`` for every row of the float32 ``x`` [n, d] and each of
-    ``mats`` [g, d, d] (any float dtype, symmetric or not), over the matrices' upper
-    triangles: half numpy's multiply-adds, summed in float32 in the order
-    ``native/kernels.h`` gives, on every CPU alike. None where the kernel cannot run (not
-    built, or no AVX2 with FMA)."""
+def expected_logits(x: np.ndarray, mu: np.ndarray, cov: np.ndarray, kq_scale: float) -> np.ndarray | None:
+    """float64 [g, n]: Expected Attention's logits ``s mu_h . x_i + s^2 / 2 x_i^T C_h x_i``
+    for every row of the float32 ``x`` [n, d] (one KV head's keys) and each of the g query
+    heads of ``mu`` [g, d] and ``cov`` [g, d, d] (symmetric or not). The mean term in double,
+    the quadratic form in float32 over each matrix's upper triangle (half numpy's
+    multiply-adds), in the order ``native/kernels.h`` gives, on every CPU alike. None where
+    the kernel cannot run (not built, or no AVX2 with FMA)."""
     m = _module()
     if m is None:
         return None
-    if x.dtype != np.float32 or x.ndim != 2 or mats.ndim != 3 or mats.shape[1:] != (x.shape[1],) * 2:
-        raise ValueError(f"quadratic_forms takes float32 [n, d] and [g, d, d], got {x.dtype} {x.shape}, {mats.shape}")
+    if (x.dtype != np.float32 or x.ndim != 2 or mu.ndim != 2 or mu.shape[1] != x.shape[1]
+            or cov.shape != (mu.shape[0], x.shape[1], x.shape[1])):
+        raise ValueError(f"expected_logits takes float32 [n, d], [g, d] and [g, d, d], got {x.dtype} {x.shape}, "
+                         f"{mu.shape}, {cov.shape}")
     x = np.ascontiguousarray(x)
-    (n, d), g = x.shape, mats.shape[0]
-    rows, cols = np.triu_indices(d)  # row by row, each row's columns ascending: the kernel's order
-    upper = np.where(rows == cols, mats[:, rows, cols], mats[:, rows, cols] + mats[:, cols, rows])
-    w = np.ascontiguousarray(upper.T, np.float32)  # [entry, g]: a step's g entries side by side
-    quad = np.empty((g, n), np.float32)
+    (n, d), g = x.shape, mu.shape[0]
+    w = (cov + cov.transpose(0, 2, 1)).reshape(g, d * d)
+    flat, diag = _triangle(d)
+    w[:, diag] = cov.reshape(g, d * d)[:, diag]
+    w = np.ascontiguousarray(w[:, flat].T, np.float32)  # [entry, g]: a step's g entries side by side
+    mu = np.ascontiguousarray(mu, np.float64)
+    logits = np.empty((g, n))
     ffi = m.ffi
-    got = m.lib.edgekv_quadratic_forms(ffi.from_buffer("float[]", x), n, d, ffi.from_buffer("float[]", w), g,
-                                       ffi.from_buffer("float[]", quad))
+    got = m.lib.edgekv_expected_logits(ffi.from_buffer("float[]", x), n, d, ffi.from_buffer("double[]", mu),
+                                       ffi.from_buffer("float[]", w), g, kq_scale, 0.5 * kq_scale**2,
+                                       ffi.from_buffer("double[]", logits))
     if got == _UNSUPPORTED:
         return None
     if got < 0:
-        raise MemoryError(f"edgekv_quadratic_forms failed ({got}) for {n} rows of {d}")
-    return quad
+        raise MemoryError(f"edgekv_expected_logits failed ({got}) for {n} rows of {d}")
+    return logits
+
+
+@cache
+def _triangle(d: int) -> tuple[np.ndarray, np.ndarray]:
+    """Flat indices into [d, d] of the upper triangle row by row (the kernel's order), and
+    of the diagonal."""
+    rows, cols = np.triu_indices(d)
+    return rows * d + cols, np.arange(d) * (d + 1)

@@ -1098,14 +1098,15 @@ __attribute__((target("avx2,fma"))) static bool edgekv_best_two_avx2(const float
 }
 
 
-// Expected Attention's covariance term, x^T C x for every key and every query head of a
-// KV head's group, over the matrices' upper triangles (w: C's diagonal, and C[i][j] +
+// Expected Attention's logits: the covariance term x^T C x for every key and every query
+// head of a KV head's group, over the matrices' upper triangles (w: C's diagonal, and C[i][j] +
 // C[j][i] above it). That is d (d + 1) / 2 multiply-adds a key and matrix against
 // numpy's d * d, and no [n, g * d] product written out and read back. A block of 24 keys
 // is transposed so that each channel is three vectors of keys; the triangle's entries are
 // broadcast, three matrices at a time: 9 accumulators whose chains each take one FMA a
 // step (a block of 16 keys has only six, too few to cover the FMA's latency: 1.4x slower).
 // Each row's chain runs over j ascending, then the rows' over i ascending, in float32.
+// The mean term follows on the same transposed keys, in double.
 #define EDGEKV_QUAD_VECS 3
 #define EDGEKV_QUAD_KEYS (8 * EDGEKV_QUAD_VECS)
 #define EDGEKV_QUAD_MATS 3
@@ -1198,10 +1199,35 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void edgekv_qua
     }
 }
 
-__attribute__((target("avx2,fma"))) static void edgekv_quadratic_forms_avx2(const float * x, int64_t n, int64_t d,
-                                                                           const float * w, int64_t g, float * kt,
-                                                                           float * pad, float * quad) {
-    float out[EDGEKV_QUAD_MATS * EDGEKV_QUAD_KEYS];
+// The mean term of m (1..3) query heads for the 24 keys of kt, in double: mu [g][d] from
+// head h0, each key's products over the channels in order, a chain of FMAs.
+__attribute__((target("avx2,fma"))) static void edgekv_mean_term(const float * kt, int64_t d, const double * mu,
+                                                                int m, double * lin) {
+    for (int t = 0; t < m; t++) {
+        __m256d acc[2 * EDGEKV_QUAD_VECS];
+        for (int v = 0; v < 2 * EDGEKV_QUAD_VECS; v++) {
+            acc[v] = _mm256_setzero_pd();
+        }
+        for (int64_t j = 0; j < d; j++) {
+            const __m256d b = _mm256_broadcast_sd(mu + t * d + j);
+            for (int v = 0; v < EDGEKV_QUAD_VECS; v++) {
+                const __m256 k = _mm256_loadu_ps(kt + j * EDGEKV_QUAD_KEYS + 8 * v);
+                acc[2 * v] = _mm256_fmadd_pd(b, _mm256_cvtps_pd(_mm256_castps256_ps128(k)), acc[2 * v]);
+                acc[2 * v + 1] = _mm256_fmadd_pd(b, _mm256_cvtps_pd(_mm256_extractf128_ps(k, 1)), acc[2 * v + 1]);
+            }
+        }
+        for (int v = 0; v < 2 * EDGEKV_QUAD_VECS; v++) {
+            _mm256_storeu_pd(lin + t * EDGEKV_QUAD_KEYS + 4 * v, acc[v]);
+        }
+    }
+}
+
+__attribute__((target("avx2,fma"))) static void edgekv_expected_logits_avx2(const float * x, int64_t n, int64_t d,
+                                                                           const double * mu, const float * w,
+                                                                           int64_t g, double c1, double c2,
+                                                                           float * kt, float * pad, double * logits) {
+    float quad[EDGEKV_QUAD_MATS * EDGEKV_QUAD_KEYS];
+    double lin[EDGEKV_QUAD_MATS * EDGEKV_QUAD_KEYS];
     const float * rows[EDGEKV_QUAD_KEYS];
     for (int64_t r0 = 0; r0 < n; r0 += EDGEKV_QUAD_KEYS) {
         const int mk = n - r0 < EDGEKV_QUAD_KEYS ? (int) (n - r0) : EDGEKV_QUAD_KEYS;
@@ -1212,14 +1238,19 @@ __attribute__((target("avx2,fma"))) static void edgekv_quadratic_forms_avx2(cons
         for (int64_t h0 = 0; h0 < g; h0 += EDGEKV_QUAD_MATS) {
             const int m = g - h0 < EDGEKV_QUAD_MATS ? (int) (g - h0) : EDGEKV_QUAD_MATS;
             if (m == 3) {  // constant counts, so that the tile's loops unroll
-                edgekv_quad_tile(kt, d, w + h0, g, 3, out);
+                edgekv_quad_tile(kt, d, w + h0, g, 3, quad);
             } else if (m == 2) {
-                edgekv_quad_tile(kt, d, w + h0, g, 2, out);
+                edgekv_quad_tile(kt, d, w + h0, g, 2, quad);
             } else {
-                edgekv_quad_tile(kt, d, w + h0, g, 1, out);
+                edgekv_quad_tile(kt, d, w + h0, g, 1, quad);
             }
+            edgekv_mean_term(kt, d, mu + h0 * d, m, lin);
             for (int t = 0; t < m; t++) {
-                memcpy(quad + (h0 + t) * n + r0, out + t * EDGEKV_QUAD_KEYS, sizeof(float) * mk);
+                double * out = logits + (h0 + t) * n + r0;
+                for (int r = 0; r < mk; r++) {  // two roundings, as numpy's two passes (no contraction here)
+                    const double a = c1 * lin[t * EDGEKV_QUAD_KEYS + r];
+                    out[r] = a + c2 * (double) quad[t * EDGEKV_QUAD_KEYS + r];
+                }
             }
         }
     }
@@ -1297,7 +1328,8 @@ int32_t edgekv_irregularity(const float * x, int64_t n, int64_t d, const int64_t
     return EDGEKV_KERNEL_UNSUPPORTED;
 }
 
-int32_t edgekv_quadratic_forms(const float * x, int64_t n, int64_t d, const float * w, int64_t g, float * quad) {
+int32_t edgekv_expected_logits(const float * x, int64_t n, int64_t d, const double * mu, const float * w, int64_t g,
+                               double c1, double c2, double * logits) {
     if (n < 0 || d < 1 || g < 1) {
         return EDGEKV_KERNEL_BAD_ARGS;
     }
@@ -1311,12 +1343,12 @@ int32_t edgekv_quadratic_forms(const float * x, int64_t n, int64_t d, const floa
             free(pad);
             return EDGEKV_KERNEL_NO_MEMORY;
         }
-        edgekv_quadratic_forms_avx2(x, n, d, w, g, kt, pad, quad);
+        edgekv_expected_logits_avx2(x, n, d, mu, w, g, c1, c2, kt, pad, logits);
         free(kt);
         free(pad);
         return EDGEKV_KERNEL_AVX2;
     }
 #endif
-    (void) x; (void) w; (void) quad;
+    (void) x; (void) mu; (void) w; (void) c1; (void) c2; (void) logits;
     return EDGEKV_KERNEL_UNSUPPORTED;
 }

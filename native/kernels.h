@@ -57,11 +57,15 @@ int32_t edgekv_best_two(const float * x, int64_t n, int64_t d, const float * pt,
 int32_t edgekv_irregularity(const float * x, int64_t n, int64_t d, const int64_t * bounds, int64_t n_chunks,
                             double * delta);
 
-// Expected Attention's covariance term: quad[h * n + i] = x_i^T C_h x_i for each row x_i
-// of x [n, d] (float32, row-major) and each of g matrices C_h, given by their upper
-// triangles: w holds, for i = 0..d-1 and then j = i..d-1, the g entries of (i, j)
-// (C_h[i][i] on the diagonal, C_h[i][j] + C_h[j][i] above it), d (d + 1) / 2 * g floats.
-// Sums in float32 with FMAs: for each i, w[i][j] x_j over j ascending, times x_i, added
-// over i ascending. The same floats on every CPU it runs on (AVX2 with FMA, AVX-512 CPUs
-// included). Returns EDGEKV_KERNEL_AVX2, or < 0.
-int32_t edgekv_quadratic_forms(const float * x, int64_t n, int64_t d, const float * w, int64_t g, float * quad);
+// Expected Attention's logits of every row x_i of x [n, d] (float32, row-major: one KV head's
+// keys) for each of the g query heads of its group:
+//   logits[h * n + i] = c1 * (mu_h . x_i) + c2 * (x_i^T C_h x_i),
+// mu [g, d] in double, C_h by its upper triangle: w holds, for i = 0..d-1 and then
+// j = i..d-1, the g entries of (i, j) (C_h[i][i] on the diagonal, C_h[i][j] + C_h[j][i]
+// above it), d (d + 1) / 2 * g floats. The mean term sums in double over the channels in
+// order; the quadratic form in float32, for each i w[i][j] x_j over j ascending, times x_i,
+// added over i ascending; both with FMAs. Then the two products are rounded and added, as
+// two numpy passes would. The same floats on every CPU it runs on (AVX2 with FMA, AVX-512
+// CPUs included). Returns EDGEKV_KERNEL_AVX2, or < 0.
+int32_t edgekv_expected_logits(const float * x, int64_t n, int64_t d, const double * mu, const float * w, int64_t g,
+                               double c1, double c2, double * logits);

@@ -50,26 +50,30 @@ def _pre_rope(sess: Session) -> tuple[np.ndarray, np.ndarray]:
 
 @pytest.mark.parametrize(("n", "d", "g"), [(1, 64, 3), (23, 64, 3), (24, 64, 3), (2500, 64, 3), (100, 33, 7),
                                          (49, 128, 2), (7, 5, 1), (0, 64, 3)])
-def test_the_kernels_quadratic_forms_are_the_float64_forms(n: int, d: int, g: int) -> None:
-    # the covariance term over the matrices' upper triangles, 24 keys and 3 matrices a tile:
-    # partial blocks of keys, a group of 7 (tiles of 3, 3 and 1), head sizes off the 8-channel
-    # transposes; the matrices need not be symmetric (C[i][j] + C[j][i] above the diagonal)
+def test_the_kernels_logits_are_the_float64_logits(n: int, d: int, g: int) -> None:
+    # the mean term in double, the covariance term over the matrices' upper triangles in
+    # float32, 24 keys and 3 matrices a tile: partial blocks of keys, a group of 7 (tiles of
+    # 3, 3 and 1), head sizes off the 8-channel transposes; the matrices need not be
+    # symmetric (C[i][j] + C[j][i] above the diagonal)
     from edgekv import kernels
 
     rng = np.random.default_rng(n + d + g)
     x = rng.standard_normal((n, d)).astype(np.float32)
-    mats = rng.standard_normal((g, d, d))
-    got = kernels.quadratic_forms(x, mats)
+    mu, mats, s = rng.standard_normal((g, d)), rng.standard_normal((g, d, d)), 0.125
+    got = kernels.expected_logits(x, mu, mats, s)
     if not (cpu_flag("avx2") and cpu_flag("fma")):
         assert got is None  # numpy's products serve
         return
     x64 = x.astype(np.float64)
-    want = np.einsum("nd,gde,ne->gn", x64, mats, x64)
-    # float32 sums of d (d + 1) / 2 products in two levels: a few units of float32's epsilon
-    # times the sum of the products' magnitudes
-    scale = np.einsum("nd,gde,ne->gn", np.abs(x64), np.abs(mats), np.abs(x64))
-    assert got.shape == (g, n) and got.dtype == np.float32
-    assert np.all(np.abs(got - want) <= 8 * 2.0**-24 * np.sqrt(d) * scale)
+    lin, quad = mu @ x64.T, np.einsum("nd,gde,ne->gn", x64, mats, x64)
+    # the mean term to double's rounding; the quadratic form's float32 sums of d (d + 1) / 2
+    # products in two levels, to a few units of float32's epsilon times the sum of the
+    # products' magnitudes
+    quad_scale = np.einsum("nd,gde,ne->gn", np.abs(x64), np.abs(mats), np.abs(x64))
+    lin_scale = np.abs(mu) @ np.abs(x64).T
+    assert got.shape == (g, n) and got.dtype == np.float64
+    err = np.abs(got - (s * lin + 0.5 * s**2 * quad))
+    assert np.all(err <= 0.5 * s**2 * 8 * 2.0**-24 * np.sqrt(d) * quad_scale + s * d * 2.0**-52 * lin_scale)
 
 
 def test_the_kernel_scores_what_numpy_scores(monkeypatch) -> None:
@@ -84,7 +88,7 @@ def test_the_kernel_scores_what_numpy_scores(monkeypatch) -> None:
     scored = np.ones((n_kv, n), bool)
     scored[:, :4] = False
     got = expected_attention_scores(mu, cov, k, None, scored, 0.125)
-    monkeypatch.setattr(kernels, "quadratic_forms", lambda x, mats: None)
+    monkeypatch.setattr(kernels, "expected_logits", lambda *a: None)
     want = expected_attention_scores(mu, cov, k, None, scored, 0.125)
     assert np.array_equal(np.isinf(got), np.isinf(want))
     np.testing.assert_allclose(got, want, rtol=1e-6)
@@ -99,7 +103,7 @@ def test_scores_in_chunks_of_cells_are_the_one_pass_scores(monkeypatch) -> None:
     # Zen 3: the first 1024 rows of a 2500-row product differ from a 1024-row one in the
     # last bits). 2500 cells: two full chunks and a partial one; a gap in one head's scored
     # cells takes the gather path
-    monkeypatch.setattr(kernels, "quadratic_forms", lambda x, mats: None)
+    monkeypatch.setattr(kernels, "expected_logits", lambda *a: None)
     rng = np.random.default_rng(8)
     n_head, n_kv, d, n = 9, 3, 64, 2500
     mu = rng.standard_normal((n_head, d))

@@ -113,12 +113,10 @@ def expected_attention_scores(mu: np.ndarray, cov: np.ndarray | None, k: np.ndar
         if cols[-1] - cols[0] + 1 == cols.size:  # the usual case (all but the sinks): a slice, not a gather
             cols = slice(int(cols[0]), int(cols[-1]) + 1)
         heads = slice(h * group, (h + 1) * group)
-        # the head's keys out of the layer's interleaved rows once, for both terms: on a
-        # small machine memory bandwidth, not arithmetic, bounds these passes
+        # the head's keys out of the layer's interleaved rows once, for both terms (a view
+        # where the engine hands each head's rows out together)
         kh = np.ascontiguousarray(k[cols, h])
-        logits = kq_scale * (mu[heads] @ kh.astype(np.float64).T)  # [group, c]
-        if cov is not None:
-            logits += 0.5 * kq_scale**2 * quadratic_forms(np.ascontiguousarray(kh, np.float32), cov[heads])
+        logits = expected_logits(kh, mu[heads], None if cov is None else cov[heads], kq_scale)  # [group, c]
         if bias is not None:
             logits += bias[h, cols]
         logits -= logits.max(axis=1, keepdims=True)
@@ -131,21 +129,28 @@ def expected_attention_scores(mu: np.ndarray, cov: np.ndarray | None, k: np.ndar
     return out
 
 
-def quadratic_forms(k: np.ndarray, cov: np.ndarray) -> np.ndarray:
-    """float64 [g, n]: ``k_i^T C k_i`` in float32 for every key of ``k`` [n, d] (float32) and
-    each of ``cov`` [g, d, d]: the host kernel over the matrices' upper triangles, or where
-    it cannot run, numpy's float32 products [chunk, d] x [d, g * d]. The two sum in other
-    orders, so their floats differ in the last bits (tested against float64)."""
-    quad = kernels.quadratic_forms(k, cov)
-    if quad is None:
+def expected_logits(k: np.ndarray, mu: np.ndarray, cov: np.ndarray | None, kq_scale: float) -> np.ndarray:
+    """float64 [g, n]: ``s mu_h . k_i + s^2 / 2 k_i^T C_h k_i`` for every key of ``k`` [n, d]
+    and each query head of ``mu`` [g, d] and ``cov`` [g, d, d] (None: the mean term alone).
+    The host kernel where it runs (one pass over the keys, the covariance term over each
+    matrix's upper triangle); else numpy: the mean term a float64 product, the covariance
+    term float32 products [chunk, d] x [d, g * d]. The two sum in other orders, so their
+    floats differ in the last bits (tested against float64)."""
+    if cov is not None and k.dtype == np.float32:
+        logits = kernels.expected_logits(k, mu, cov, kq_scale)
+        if logits is not None:
+            return logits
+    logits = kq_scale * (mu @ k.astype(np.float64).T)
+    if cov is not None:
         g, d, _ = cov.shape
         covs = cov.transpose(1, 0, 2).reshape(d, g * d).astype(np.float32)
-        quad = np.empty((g, k.shape[0]), np.float32)
         for c0, c1 in _chunks(k.shape[0]):
+            k32 = np.ascontiguousarray(k[c0:c1], np.float32)  # float32 keys: a view
             # one batched product [c, g, d] x [c, d, 1] (what numpy 2.4's
             # einsum("cgd,cd->gc", optimize=True) runs, without parsing it per call)
-            quad[:, c0:c1] = np.matmul((k[c0:c1] @ covs).reshape(-1, g, d), k[c0:c1, :, None])[:, :, 0].T
-    return quad.astype(np.float64)
+            quad = np.matmul((k32 @ covs).reshape(-1, g, d), k32[:, :, None])[:, :, 0].T
+            logits[:, c0:c1] += 0.5 * kq_scale**2 * quad.astype(np.float64)
+    return logits
 
 
 def _chunks(n: int) -> list[tuple[int, int]]:
