@@ -53,6 +53,7 @@ int32_t llama_edgekv_seq_score(struct llama_context * ctx, llama_seq_id seq_id, 
                               const float * q, const llama_pos * q_pos, float kq_scale,
                               const int32_t * layers, int32_t n_layers, float * out, int32_t n);
 int32_t llama_edgekv_seq_key_sqnorms(struct llama_context * ctx, llama_seq_id seq_id, float * out, int32_t n);
+int32_t llama_edgekv_seq_value_norms(struct llama_context * ctx, llama_seq_id seq_id, double * out, int32_t n);
 int32_t llama_edgekv_seq_lag_scores(struct llama_context * ctx, llama_seq_id seq_id, int32_t n_group, int32_t width,
                                     const int32_t * members, double * out, int32_t n);
 """
@@ -137,7 +138,7 @@ def build() -> Path:
     return _compile(
         "_edgekv_native", CDEF,
         '#include "llama-edgekv.h"\n'
-        "#if LLAMA_EDGEKV_API_VERSION < 9\n#error edgekv needs patch set v9 or later\n#endif\n",
+        "#if LLAMA_EDGEKV_API_VERSION < 10\n#error edgekv needs patch set v10 or later\n#endif\n",
         ["llama"],
     )
 

@@ -572,6 +572,40 @@ def test_device_lag_scores_are_the_kernels_doubles(smollm2, toks, ck, cv, fa, mo
     ctx.close()
 
 
+@pytest.mark.parametrize(("ck", "cv", "fa"), [("f16", "f16", "off"), ("f16", "bf16", "off"), ("f16", "f32", "off"),
+                                              ("f16", "f16", "on"), ("q8_0", "q8_0", "on")],
+                         ids=["f16-vt", "bf16-vt", "f32-vt", "f16-fa", "q8_0-fa"])
+def test_value_norms_in_the_cache_are_numpys_floats(smollm2, toks, ck, cv, fa, monkeypatch) -> None:
+    # every value's norm computed in the cache's memory equals, to the last bit, numpy's norm
+    # of the float64 copy of the V the read hands out (unrotated where llama.cpp rotates it),
+    # over cells in runs and, after holes are freed, cells gathered one by one
+    ctx, eng = _prefilled(smollm2, toks, ck, cv, fa)
+    assert bool(ctx.v_rot) == (cv == "q8_0")  # the unrotation is run
+    L = smollm2.arch.n_layer
+    got = eng.value_norms(cell_order=True)
+    _, v = eng.read(range(L), cell_order=True, keys=False, unrotated=True)  # [L, H, n, d]
+    assert got.tobytes() == np.linalg.norm(v.astype(np.float64), axis=3).tobytes()
+    # the snapshot hands a layer's norms out in position order, [n, H], as ``values`` would be normed
+    snap = eng.snapshot()
+    for il in (0, L - 1):
+        assert np.array_equal(snap.value_norms(il), np.linalg.norm(snap.values(il).astype(np.float64), axis=2))
+    monkeypatch.setenv("EDGEKV_GRAPH_OPS", "1")  # the path of a cache outside host memory
+    with pytest.raises(NativeUnsupported):
+        eng.value_norms()
+    assert eng.snapshot().value_norms(0) is None
+    monkeypatch.setenv("EDGEKV_GRAPH_OPS", "0")
+    # holes freed in the middle: cells still ascend but are no longer one run (through the C
+    # API, as the engine's own count does not follow a removal behind its back)
+    assert ctx.seq_rm(0, 40, 97) and ctx.seq_rm(0, 130, 131)
+    n, H, d = eng.n_cells - 58, smollm2.arch.n_head_kv, eng.head_dim_v
+    v = np.full(L * H * n * d, np.nan, np.float32)
+    norms = np.full(L * H * n, np.nan)
+    assert eng.lib.llama_edgekv_seq_read(eng._c, 0, 0, L, eng.ffi.NULL, eng.ffi.from_buffer("float[]", v), n, True) == 0
+    assert eng.lib.llama_edgekv_seq_value_norms(eng._c, 0, eng.ffi.from_buffer("double[]", norms), n) == 0
+    assert norms.tobytes() == np.linalg.norm(v.reshape(-1, d).astype(np.float64), axis=1).tobytes()
+    ctx.close()
+
+
 @pytest.mark.parametrize(("budget", "compacted", "ct"), [(None, False, "f16"), (300, False, "f16"),
                                                          (None, True, "f16"), (300, True, "f16"),
                                                          (None, False, "q8_0"), (300, True, "q8_0")])
@@ -623,6 +657,9 @@ def test_bad_arguments_are_refused_and_cache_kept(smollm2, toks) -> None:
     out = np.zeros(L * H * (n + 1), np.float32)
     assert lib.llama_edgekv_seq_key_sqnorms(c, 0, ffi.from_buffer("float[]", out), n + 1) == -2
     assert lib.llama_edgekv_seq_key_sqnorms(c, 0, ffi.NULL, n) == -2
+    norms = np.zeros(L * H * (n + 1))
+    assert lib.llama_edgekv_seq_value_norms(c, 0, ffi.from_buffer("double[]", norms), n + 1) == -2
+    assert lib.llama_edgekv_seq_value_norms(c, 0, ffi.NULL, n) == -2
     members = np.zeros(L * H * 2 * 4, np.int32)
     scores = np.zeros(L * H * 4)
     m_buf, s_buf = ffi.from_buffer("int32_t[]", members), ffi.from_buffer("double[]", scores)

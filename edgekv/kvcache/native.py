@@ -50,7 +50,7 @@ _ERRORS = {
 }
 
 
-NATIVE_API = 9  # the patch set version (LLAMA_EDGEKV_API_VERSION) these bindings are written for
+NATIVE_API = 10  # the patch set version (LLAMA_EDGEKV_API_VERSION) these bindings are written for
 READ_BYTES = 32 << 20  # float32 K+V one native read brings back at most (its device output buffer)
 
 
@@ -453,6 +453,20 @@ class NativeEngine:
                 out = out[..., np.argsort(self.cell_positions(), kind="stable")]
         return out
 
+    def value_norms(self, cell_order: bool = False) -> np.ndarray:
+        """float64 [n_layer, n_kv_head, n_cells]: every value's L2 norm, computed in the cache's
+        host memory without reading V out (``llama_edgekv_seq_value_norms``: numpy's floats
+        for the values ``read`` hands out; NativeUnsupported for a cache elsewhere); cells in
+        position order unless ``cell_order``."""
+        n = self.n_cells
+        out = np.zeros((self.n_layer, self.n_kv_head, n))
+        if n:
+            self._check(self.lib.llama_edgekv_seq_value_norms(self._c, self.seq, self.ffi.from_buffer("double[]", out),
+                                                              n), "value_norms")
+            if not cell_order:
+                out = out[..., np.argsort(self.cell_positions(), kind="stable")]
+        return out
+
     def lag_scores(self, members: np.ndarray) -> np.ndarray:
         """LagKV's scores, K plus V, of groups of cells, each against the next group, computed
         in the cache's host memory (``llama_edgekv_seq_lag_scores``; NativeUnsupported for a
@@ -565,7 +579,7 @@ class NativeSnapshot(KVSnapshot):
     norms, window attention and LagKV's scores computed where the cache lives. Valid
     until the cache changes (``engine``'s generation moves on)."""
 
-    accelerators: ClassVar[frozenset[str]] = frozenset({"key_norms", "window_attention", "lag_scores"})
+    accelerators: ClassVar[frozenset[str]] = frozenset({"key_norms", "window_attention", "lag_scores", "value_norms"})
 
     engine: NativeEngine = field(kw_only=True, repr=False)
     gen: int = field(kw_only=True, repr=False)  # the engine's generation when taken
@@ -577,6 +591,9 @@ class NativeSnapshot(KVSnapshot):
     # threads share the gathers of a cache whose cells are out of order
     _read_k: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
     _read_v: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+    # every layer's value norms [n_layer, n_kv_head, n] in position order, from one call;
+    # an empty array where the op cannot run
+    _vnorms: np.ndarray | None = field(default=None, repr=False)
 
     def _live(self) -> NativeEngine:
         if self.engine.generation != self.gen:
@@ -652,6 +669,15 @@ class NativeSnapshot(KVSnapshot):
             self._rotated = (q, eng.rotate_queries(q))
         out = eng.score(self._rotated[1], q_pos, self.kq_scale, layers=layers, rotated=True)
         return [out[layer] for layer in layers]
+
+    def value_norms(self, layer: int) -> np.ndarray | None:
+        with self._lock:
+            if self._vnorms is None:
+                try:
+                    self._vnorms = self._live().value_norms(cell_order=True)[:, :, self.order]
+                except NativeUnsupported:  # a cache outside host memory: the method reads V
+                    self._vnorms = np.empty(0)
+            return self._vnorms[layer].T if self._vnorms.size else None
 
     def lag_scores(self, members: np.ndarray) -> np.ndarray | None:
         eng = self._live()

@@ -13,7 +13,8 @@ which compute the same numbers:
 
 - ``"key_norms"``: every key's norm summed on the device (no K read back);
 - ``"window_attention"``: observation-window attention scored on the device;
-- ``"lag_scores"``: LagKV's scores computed in the cache's memory.
+- ``"lag_scores"``: LagKV's scores computed in the cache's memory;
+- ``"value_norms"``: every value's norm computed in the cache's memory (no V read back).
 """
 
 from __future__ import annotations
@@ -140,6 +141,13 @@ class KVSnapshot:
         first -1) -> float64 [n_layer, n_kv_head, G, W], padding -inf. None where the engine
         cannot (no ``"lag_scores"`` accelerator, or a cache llama.cpp rotates or keeps off
         the host): the method then scores ``keys`` and ``values`` itself, to the same doubles."""
+        return None
+
+    def value_norms(self, layer: int) -> np.ndarray | None:
+        """float64 [n_cells, n_kv_head]: the L2 norm of every value of ``layer``, computed
+        where the cache lives without reading V out, numpy's floats (``np.linalg.norm`` of the
+        values as float64). None where the engine cannot (no ``"value_norms"`` accelerator,
+        or a cache off the host): the method then norms ``values`` itself."""
         return None
 
     def release(self, layer: int) -> None:

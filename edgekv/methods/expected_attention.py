@@ -69,10 +69,11 @@ class ExpectedAttention(ScorerMethod):
     def attach(self, info: ModelInfo) -> None:
         # numba's first call in a process (0.2 to 0.6 s) at the Session's start, not at the
         # first compression
-        _value_norms(np.zeros((1, 1, 8), np.float32))
+        value_norms(np.zeros((1, 1, 8), np.float32))
 
     def fetch(self, snap: KVSnapshot, layer: int) -> None:
-        snap.prefetch(layer, values=self.use_vnorm)
+        # V only where the engine cannot norm it in place (every layer's norms in its first call)
+        snap.prefetch(layer, values=self.use_vnorm and snap.value_norms(layer) is None)
 
     def score(self, snap: KVSnapshot, layer: int) -> np.ndarray:
         m = snap.moments
@@ -83,20 +84,25 @@ class ExpectedAttention(ScorerMethod):
         mu, cov = m.mean_cov(layer)
         first = int(snap.pos.max()) + 1 if snap.n_cells else 0  # where the coming queries sit
         rot = m.future_rotation(layer, first, self.n_future_positions)
+        vnorm = None
+        if self.use_vnorm:
+            vnorm = snap.value_norms(layer)
+            if vnorm is None:
+                vnorm = value_norms(snap.values(layer))
         return expected_attention_scores(
-            mu @ rot.T, rot @ cov @ rot.T if self.use_covariance else None, snap.keys(layer),
-            snap.values(layer) if self.use_vnorm else None, snap.token_pos[layer] >= self.sinks,
-            snap.kq_scale, snap.log_counts(layer), self.epsilon)
+            mu @ rot.T, rot @ cov @ rot.T if self.use_covariance else None, snap.keys(layer), vnorm,
+            snap.token_pos[layer] >= self.sinks, snap.kq_scale, snap.log_counts(layer), self.epsilon)
 
 
-def expected_attention_scores(mu: np.ndarray, cov: np.ndarray | None, k: np.ndarray, v: np.ndarray | None,
+def expected_attention_scores(mu: np.ndarray, cov: np.ndarray | None, k: np.ndarray, vnorm: np.ndarray | None,
                               scored: np.ndarray, kq_scale: float, bias: np.ndarray | None = None,
                               epsilon: float = 0.0) -> np.ndarray:
     """float64 [n_kv_head, n]: Expected Attention's score of every cell of one layer.
 
     ``mu`` [n_head, d] and ``cov`` [n_head, d, d] (None: the mean alone): the future
-    queries' statistics, already rotated; ``k`` [n, n_kv_head, d] post-RoPE keys and ``v``
-    [n, n_kv_head, dv] values (None: no value norm); ``scored`` bool [n_kv_head, n]: the
+    queries' statistics, already rotated; ``k`` [n, n_kv_head, d] post-RoPE keys and
+    ``vnorm`` [n, n_kv_head] the values' norms (``value_norms``; None: no value norm);
+    ``scored`` bool [n_kv_head, n]: the
     cells the softmax runs over (not the sinks; others score +inf, to be kept); ``bias``
     [n_kv_head, n]: merged cells' log counts, added to the logits as attention adds them."""
     n_head, d = mu.shape
@@ -105,7 +111,6 @@ def expected_attention_scores(mu: np.ndarray, cov: np.ndarray | None, k: np.ndar
         raise EdgekvError(f"{n_head} query heads do not split into {n_kv} KV heads")
     group = n_head // n_kv
     out = np.full((n_kv, n), np.inf)
-    vnorm = None if v is None else _value_norms(v)
     for h in range(n_kv):
         cols = np.flatnonzero(scored[h])
         if cols.size == 0:
@@ -161,7 +166,7 @@ def _chunks(n: int) -> list[tuple[int, int]]:
     return list(zip([0] + ends[:-1], ends, strict=True))
 
 
-def _value_norms(v: np.ndarray) -> np.ndarray:
+def value_norms(v: np.ndarray) -> np.ndarray:
     """float64 [n, n_kv_head]: ``np.linalg.norm(v.astype(np.float64), axis=2)``, the same
     floats (tested), in one compiled pass over the float32 values: numpy's float64 copy
     and its squares cost more than the sums."""

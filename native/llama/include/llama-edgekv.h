@@ -28,7 +28,8 @@ extern "C" {
 //   8: llama_edgekv_seq_lag_scores and llama_edgekv_seq_read (asked to) undo llama.cpp's
 //      Hadamard rotation of a quantised cache
 //   9: llama_edgekv_seq_merge can round with ggml's reference quantisers (reference)
-#define LLAMA_EDGEKV_API_VERSION 9
+//  10: llama_edgekv_seq_value_norms
+#define LLAMA_EDGEKV_API_VERSION 10
 
 // what every op returns: LLAMA_EDGEKV_OK (or a count, where documented) or an error
 enum llama_edgekv_status {
@@ -148,6 +149,18 @@ LLAMA_API int32_t llama_edgekv_seq_key_sqnorms(
         struct llama_context * ctx,
                 llama_seq_id   seq_id,
                        float * out,
+                     int32_t   n);
+
+// L2 norms of every layer's values where the cache is in host memory, without reading V
+// out: out[(l*n_head_kv + h)*n + i] is the norm of cell ordinal i's value row for head h,
+// as llama_edgekv_seq_read hands it out (F32, a quantised cache's rotation undone), in
+// double: the float squares added as numpy adds a contiguous row (np.linalg.norm over a
+// float64 copy: eight running sums per block of 128, halves above), then the square root.
+// LLAMA_EDGEKV_ERR_UNSUPPORTED where the cache is not in host memory (read V instead).
+LLAMA_API int32_t llama_edgekv_seq_value_norms(
+        struct llama_context * ctx,
+                llama_seq_id   seq_id,
+                      double * out,
                      int32_t   n);
 
 // LagKV's scores (arXiv:2504.04704, Eqs. 5-9) where the cache is in host memory, without

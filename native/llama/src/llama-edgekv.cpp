@@ -2023,6 +2023,112 @@ int32_t llama_edgekv_seq_key_sqnorms(llama_context * ctx, llama_seq_id seq_id, f
     return LLAMA_EDGEKV_OK;
 }
 
+// numpy's float64 sum of the squares of x[0..n) (np.add.reduce over a contiguous row, as
+// np.linalg.norm adds a float64 copy's squares): below 8 values in order; up to 128, eight
+// running sums of every eighth square, added in a tree, then the rest in order; above,
+// the two halves (split at a multiple of 8) summed apart. A float's square is exact in
+// double, so a contracted multiply-add gives the same sums.
+static double edgekv_np_sumsq(const float * x, int32_t n) {
+    if (n > 128) {
+        int32_t half = n/2;
+        half -= half % 8;
+        return edgekv_np_sumsq(x, half) + edgekv_np_sumsq(x + half, n - half);
+    }
+    if (n < 8) {
+        double s = 0.0;
+        for (int32_t i = 0; i < n; ++i) {
+            s += (double) x[i]*x[i];
+        }
+        return s;
+    }
+    double r[8];
+    for (int32_t j = 0; j < 8; ++j) {
+        r[j] = (double) x[j]*x[j];
+    }
+    int32_t i = 8;
+    for (; i + 8 <= n; i += 8) {
+        for (int32_t j = 0; j < 8; ++j) {
+            r[j] += (double) x[i + j]*x[i + j];
+        }
+    }
+    double s = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+    for (; i < n; ++i) {
+        s += (double) x[i]*x[i];
+    }
+    return s;
+}
+
+int32_t llama_edgekv_seq_value_norms(llama_context * ctx, llama_seq_id seq_id, double * out, int32_t n) {
+    llama_edgekv_kv e;
+    const int32_t rc = e.init_seq(ctx, seq_id);
+    if (rc != LLAMA_EDGEKV_OK) {
+        return rc;
+    }
+    const int32_t H = e.n_head_kv, hd = e.hd_v;
+    if (!out || n != (int32_t) e.cells.size() || n == 0) {
+        return LLAMA_EDGEKV_ERR_ARG;
+    }
+    for (const auto & layer : e.layers()) {
+        if (e.v_trans() && ggml_is_quantized(layer.v->type)) {
+            return LLAMA_EDGEKV_ERR_TYPE;
+        }
+    }
+    if (!edgekv_host_cache(e)) {
+        return LLAMA_EDGEKV_ERR_UNSUPPORTED;
+    }
+    const int32_t v_rot = e.v_rot();
+    if (v_rot && hd % v_rot != 0) {
+        return LLAMA_EDGEKV_ERR_UNSUPPORTED;
+    }
+    llama_synchronize(ctx);
+    // a block of cells of one (layer, head) per step, converted as the read converts them
+    // into rows of hd floats, then summed row by row
+    constexpr int32_t block = 256;
+    const bool ok = edgekv_host_parallel(e.n_layer*H, (int32_t) ctx->n_threads(), [&](int32_t item, edgekv_scratch & tmp) {
+        const int32_t l = item/H, h = item % H;
+        const ggml_tensor * t = e.layers()[l].v;
+        double * o = out + (size_t) item*n;
+        const size_t el = ggml_type_size(t->type);
+        tmp.resize((size_t) block*el + 2*(size_t) hd*block*sizeof(float));
+        uint8_t * raw = tmp.data();
+        float * rows = (float *) (tmp.data() + (size_t) block*el);
+        float * tile = rows + (size_t) hd*block;
+        std::vector<double> work;
+        for (int32_t i0 = 0; i0 < n; i0 += block) {
+            const int32_t m = std::min(block, n - i0);
+            const uint32_t * at = e.cells.data() + i0;
+            if (!e.v_trans()) {
+                const size_t row_bytes = ggml_row_size(t->type, hd);
+                for (int32_t j = 0; j < m; ++j) {
+                    const uint8_t * row = (const uint8_t *) t->data + ((size_t) at[j]*H + h)*row_bytes;
+                    if (j + 8 < m) {
+                        edgekv_prefetch((const uint8_t *) t->data + ((size_t) at[j + 8]*H + h)*row_bytes, row_bytes);
+                    }
+                    edgekv_to_f32(t->type, row, rows + (size_t) j*hd, hd);
+                }
+                if (v_rot) {
+                    edgekv_unrotate_rows(rows, (size_t) m, hd, v_rot, work);
+                }
+            } else {  // each channel row's run of cells into tile [hd][m], then the tile's columns as rows
+                const bool run = edgekv_is_run(at, m);
+                for (int32_t d = 0; d < hd; ++d) {
+                    const uint8_t * row = (const uint8_t *) t->data + ((size_t) h*hd + d)*e.kv_size()*el;
+                    edgekv_vt_to_f32(t->type, el, row, at, m, run, raw, tile + (size_t) d*m);
+                }
+                for (int32_t j = 0; j < m; ++j) {
+                    for (int32_t d = 0; d < hd; ++d) {
+                        rows[(size_t) j*hd + d] = tile[(size_t) d*m + j];
+                    }
+                }
+            }
+            for (int32_t j = 0; j < m; ++j) {
+                o[i0 + j] = std::sqrt(edgekv_np_sumsq(rows + (size_t) j*hd, hd));
+            }
+        }
+    });
+    return ok ? LLAMA_EDGEKV_OK : LLAMA_EDGEKV_ERR_COMPUTE;
+}
+
 // LagKV's scores, kept the same doubles as edgekv's reference kernel (_member_scores in
 // edgekv/methods/lagkv.py): float64 arithmetic in its order, and no multiply-add fused
 // into an FMA, which would round once where the reference rounds twice.
