@@ -76,17 +76,22 @@ def test_the_kernels_logits_are_the_float64_logits(n: int, d: int, g: int) -> No
     assert np.all(err <= 0.5 * s**2 * 8 * 2.0**-24 * np.sqrt(d) * quad_scale + s * d * 2.0**-52 * lin_scale)
 
 
+def _random_layer(seed: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.random.Generator]:
+    """A layer to score: 9 query heads' mean and covariance, n cells' float32 keys over 3 KV
+    heads of 64 channels, every cell scored but 4 sinks; and the generator, for more."""
+    rng = np.random.default_rng(seed)
+    mu = rng.standard_normal((9, 64))
+    a = rng.standard_normal((9, 64, 64)) / 64
+    k = rng.standard_normal((n, 3, 64)).astype(np.float32)
+    scored = np.ones((3, n), bool)
+    scored[:, :4] = False
+    return mu, a @ a.transpose(0, 2, 1), k, scored, rng
+
+
 def test_the_kernel_scores_what_numpy_scores(monkeypatch) -> None:
     # the host kernel's covariance term and numpy's float32 products: the same scores to
     # float32's rounding of that term
-    rng = np.random.default_rng(9)
-    n_head, n_kv, d, n = 9, 3, 64, 3000
-    mu = rng.standard_normal((n_head, d))
-    a = rng.standard_normal((n_head, d, d)) / d
-    cov = a @ a.transpose(0, 2, 1)
-    k = rng.standard_normal((n, n_kv, d)).astype(np.float32)
-    scored = np.ones((n_kv, n), bool)
-    scored[:, :4] = False
+    mu, cov, k, scored, _ = _random_layer(9, 3000)
     got = expected_attention_scores(mu, cov, k, None, scored, 0.125)
     monkeypatch.setattr(kernels, "expected_logits", lambda *a: None)
     want = expected_attention_scores(mu, cov, k, None, scored, 0.125)
@@ -104,15 +109,10 @@ def test_scores_in_chunks_of_cells_are_the_one_pass_scores(monkeypatch) -> None:
     # last bits). 2500 cells: two full chunks and a partial one; a gap in one head's scored
     # cells takes the gather path
     monkeypatch.setattr(kernels, "expected_logits", lambda *a: None)
-    rng = np.random.default_rng(8)
-    n_head, n_kv, d, n = 9, 3, 64, 2500
-    mu = rng.standard_normal((n_head, d))
-    a = rng.standard_normal((n_head, d, d)) / d
-    cov = a @ a.transpose(0, 2, 1)
-    k = rng.standard_normal((n, n_kv, d)).astype(np.float32)
-    v = rng.standard_normal((n, n_kv, d)).astype(np.float32)
-    scored = np.ones((n_kv, n), bool)
-    scored[:, :4] = False
+    n = 2500
+    mu, cov, k, scored, rng = _random_layer(8, n)
+    n_kv = k.shape[1]
+    v = rng.standard_normal(k.shape).astype(np.float32)
     scored[1, 1500:1600] = False
     bias = np.log(rng.integers(1, 4, (n_kv, n))).astype(np.float64)
     got = expected_attention_scores(mu, cov, k, expected_attention.value_norms(v), scored, 0.125, bias)

@@ -2023,6 +2023,18 @@ int32_t llama_edgekv_seq_key_sqnorms(llama_context * ctx, llama_seq_id seq_id, f
     return LLAMA_EDGEKV_OK;
 }
 
+// Whether an op that converts K and V rows where they lie can run: LLAMA_EDGEKV_ERR_TYPE for
+// a quantised transposed V (llama.cpp never makes one), LLAMA_EDGEKV_ERR_UNSUPPORTED for a
+// cache off the host (the engine reads K and V instead).
+static int32_t edgekv_host_rows_status(const llama_edgekv_kv & e) {
+    for (const auto & layer : e.layers()) {
+        if (e.v_trans() && ggml_is_quantized(layer.v->type)) {
+            return LLAMA_EDGEKV_ERR_TYPE;
+        }
+    }
+    return edgekv_host_cache(e) ? LLAMA_EDGEKV_OK : LLAMA_EDGEKV_ERR_UNSUPPORTED;
+}
+
 // numpy's float64 sum of the squares of x[0..n) (np.add.reduce over a contiguous row, as
 // np.linalg.norm adds a float64 copy's squares): below 8 values in order; up to 128, eight
 // running sums of every eighth square, added in a tree, then the rest in order; above,
@@ -2068,13 +2080,8 @@ int32_t llama_edgekv_seq_value_norms(llama_context * ctx, llama_seq_id seq_id, d
     if (!out || n != (int32_t) e.cells.size() || n == 0) {
         return LLAMA_EDGEKV_ERR_ARG;
     }
-    for (const auto & layer : e.layers()) {
-        if (e.v_trans() && ggml_is_quantized(layer.v->type)) {
-            return LLAMA_EDGEKV_ERR_TYPE;
-        }
-    }
-    if (!edgekv_host_cache(e)) {
-        return LLAMA_EDGEKV_ERR_UNSUPPORTED;
+    if (const int32_t st = edgekv_host_rows_status(e); st != LLAMA_EDGEKV_OK) {
+        return st;
     }
     const int32_t v_rot = e.v_rot();
     if (v_rot && hd % v_rot != 0) {
@@ -2330,13 +2337,8 @@ int32_t llama_edgekv_seq_lag_scores(
             return LLAMA_EDGEKV_ERR_ARG;
         }
     }
-    for (const auto & layer : e.layers()) {
-        if (e.v_trans() && ggml_is_quantized(layer.v->type)) {
-            return LLAMA_EDGEKV_ERR_TYPE;
-        }
-    }
-    if (!edgekv_host_cache(e)) {
-        return LLAMA_EDGEKV_ERR_UNSUPPORTED;
+    if (const int32_t st = edgekv_host_rows_status(e); st != LLAMA_EDGEKV_OK) {
+        return st;
     }
     const int32_t k_rot = e.k_rot(), v_rot = e.v_rot();
     if ((k_rot && e.hd_k % k_rot != 0) || (v_rot && (e.hd_v % v_rot != 0 || e.v_trans()))) {
