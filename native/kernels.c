@@ -2,10 +2,11 @@
 // either engine. Each has a body for AVX-512 with VNNI (checked per call: Intel since
 // Cascade Lake, AMD since Zen 4) and one for AVX2 with FMA (AMD since Zen 1, Intel since
 // Haswell), which an AVX-512 CPU runs under EDGEKV_CPU=avx2. Elsewhere a call returns
-// EDGEKV_KERNEL_UNSUPPORTED and the caller keeps its numpy path. The unscreened
-// edgekv_best_two has no AVX2 body: one (6 keys by 16 prototypes) ran at 58 GFLOP/s on
-// the Xeon, slower than numpy's BLAS products there; the screen skips most products and
-// so pays on AVX2 as well.
+// EDGEKV_KERNEL_UNSUPPORTED and the caller keeps its numpy path. Expected Attention's
+// edgekv_expected_logits has one body, AVX2 with FMA, which AVX-512 CPUs run too, so its
+// floats are the same on both. The unscreened edgekv_best_two has no AVX2 body: one (6
+// keys by 16 prototypes) ran at 58 GFLOP/s on the Xeon, slower than numpy's BLAS products
+// there; the screen skips most products and so pays on AVX2 as well.
 
 #include "kernels.h"
 
@@ -1096,7 +1097,6 @@ __attribute__((target("avx2,fma"))) static bool edgekv_best_two_avx2(const float
     free(axes);
     return true;
 }
-
 
 // Expected Attention's logits: the covariance term x^T C x for every key and every query
 // head of a KV head's group, over the matrices' upper triangles (w: C's diagonal, and C[i][j] +

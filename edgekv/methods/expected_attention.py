@@ -33,12 +33,12 @@ from .base import ScorerMethod
 from .pairwise import sum_squares
 
 # Cells a pass for numpy's covariance term, where the host kernel cannot run: its sums run
-# over channels only, so a chunk's scores are the whole layer's to float32's rounding (tested; bit for bit where the BLAS sums a
-# row's products in one order whatever the row count, which OpenBLAS's AVX2 sgemm does
-# not), and a chunk's [chunk, group * d] products stay in cache.
-# The mean term stays one pass: a float64
-# product of three query heads and a chunk of cells is small enough for OpenBLAS's
-# small-matrix kernels, which sum in another order.
+# over channels only, so a chunk's scores are the whole layer's to float32's rounding
+# (tested; bit for bit where the BLAS sums a row's products in one order whatever the row
+# count, which OpenBLAS's AVX2 sgemm does not), and a chunk's [chunk, group * d] products
+# stay in cache. The mean term stays one pass: a float64 product of three query heads and a
+# chunk of cells is small enough for OpenBLAS's small-matrix kernels, which sum in another
+# order.
 CHUNK = 1024
 
 

@@ -729,66 +729,71 @@ static void edgekv_unrotate_rows(float * x, size_t n, int32_t hd, int32_t block,
     edgekv_unrotate_tiles(x, n, hd, block, t);
 }
 
+// Cells i0..i0+m (ordinals) of KV head h of t, a layer's K or V in host memory, as F32 rows
+// [m][hd] into y, as the read hands them out: each row converted by its type's to_float and,
+// where llama.cpp rotates it (rot > 0), unrotated by edgekv's recipe; a transposed V one
+// channel row's run of the m cells at a time into tile [hd][m], then the tile's columns as
+// rows. raw holds m values of a transposed V's type (its gather), tile hd*m floats.
+static void edgekv_host_rows(const llama_edgekv_kv & e, const ggml_tensor * t, bool trans, int32_t rot, int32_t h,
+                             int32_t hd, int32_t i0, int32_t m, uint8_t * raw, float * tile, float * y,
+                             std::vector<double> & work) {
+    const int32_t H = e.n_head_kv, n = (int32_t) e.cells.size();
+    const uint32_t * at = e.cells.data() + i0;
+    if (!trans) {
+        const size_t row_bytes = ggml_row_size(t->type, hd);
+        for (int32_t j = 0; j < m; ++j) {
+            if (i0 + j + 8 < n) { // the rows of one head lie apart: a row read cold stalls the conversion
+                edgekv_prefetch((const uint8_t *) t->data + ((size_t) at[j + 8]*H + h)*row_bytes, row_bytes);
+            }
+            edgekv_to_f32(t->type, (const uint8_t *) t->data + ((size_t) at[j]*H + h)*row_bytes, y + (size_t) j*hd, hd);
+        }
+        if (rot) { // unrotated while the rows are in cache
+            edgekv_unrotate_rows(y, (size_t) m, hd, rot, work);
+        }
+        return;
+    }
+    // F32, F16 or BF16: one value of 4 or 2 bytes; cells ascend, so consecutive cells (the
+    // usual case after a compaction) are one run of a channel row, converted where it lies
+    const size_t el = ggml_type_size(t->type);
+    const bool run = edgekv_is_run(at, m);
+    for (int32_t d = 0; d < hd; ++d) {
+        const uint8_t * row = (const uint8_t *) t->data + ((size_t) h*hd + d)*e.kv_size()*el;
+        edgekv_vt_to_f32(t->type, el, row, at, m, run, raw, tile + (size_t) d*m);
+    }
+    for (int32_t j = 0; j < m; ++j) {
+        for (int32_t d = 0; d < hd; ++d) {
+            y[(size_t) j*hd + d] = tile[(size_t) d*m + j];
+        }
+    }
+}
+
 // Read where the cache is in host memory: each (layer, K or V) converts its rows straight
 // into the caller's array, over the context's threads, instead of a graph's get_rows into
-// the scheduler's buffer and a copy out of it. A transposed V is read in blocks of cells,
-// every channel row of a block before the next.
+// the scheduler's buffer and a copy out of it, 64 cells of a head at a time (a transposed V:
+// every channel row of a block before the next).
 static bool edgekv_host_read(const llama_edgekv_kv & e, int32_t il, int32_t n_layers, float * k, float * v, int32_t n,
                              int32_t k_rot, int32_t v_rot, int32_t n_threads) {
     const int32_t H = e.n_head_kv;
     return edgekv_host_parallel(2*n_layers, n_threads, [&](int32_t item, edgekv_scratch & tmp) {
         const int32_t l = item/2;
-        const auto & layer = e.layers()[il + l];
         const bool is_k = item % 2 == 0;
         float * out = is_k ? k : v;
         if (!out) {
             return;
         }
-        const ggml_tensor * t = is_k ? layer.k : layer.v;
+        const ggml_tensor * t = is_k ? e.layers()[il + l].k : e.layers()[il + l].v;
         const int32_t hd = is_k ? e.hd_k : e.hd_v;
+        const bool trans = !is_k && e.v_trans();
         out += (size_t) l*H*n*hd;
-        if (is_k || !e.v_trans()) {
-            const size_t row_bytes = ggml_row_size(t->type, hd);
-            const int32_t rot = is_k ? k_rot : v_rot;
-            std::vector<double> work;
-            for (int32_t h = 0; h < H; ++h) {
-                for (int32_t i = 0; i < n; ++i) {
-                    const uint8_t * row = (const uint8_t *) t->data + ((size_t) e.cells[i]*H + h)*row_bytes;
-                    if (i + 8 < n) { // the rows of one head lie apart: a row read cold stalls the conversion
-                        edgekv_prefetch((const uint8_t *) t->data + ((size_t) e.cells[i + 8]*H + h)*row_bytes, row_bytes);
-                    }
-                    edgekv_to_f32(t->type, row, out + ((size_t) h*n + i)*hd, hd);
-                    if (rot && (i % 64 == 63 || i == n - 1)) { // unrotated while the rows are in cache
-                        const int32_t i0 = i/64*64;
-                        edgekv_unrotate_rows(out + ((size_t) h*n + i0)*hd, (size_t) (i - i0 + 1), hd, rot, work);
-                    }
-                }
-            }
-            return;
-        }
-        // a block of cells at a time: each channel row's run converted into a tile [hd][block]
-        // (cells ascend, so consecutive cells, the usual case after a compaction, are one
-        // run of the row, converted where it lies), then the tile written out cell by cell
         constexpr int32_t block = 64;
-        const size_t el = ggml_type_size(t->type); // F32, F16 or BF16: one value of 4 or 2 bytes
-        tmp.resize(block*el + (size_t) hd*block*sizeof(float));
+        tmp.resize(trans ? block*ggml_type_size(t->type) + (size_t) hd*block*sizeof(float) : 0);
         uint8_t * raw = tmp.data();
-        float * tile = (float *) (tmp.data() + block*el);
+        float * tile = trans ? (float *) (tmp.data() + block*ggml_type_size(t->type)) : nullptr;
+        std::vector<double> work;
         for (int32_t h = 0; h < H; ++h) {
             for (int32_t i0 = 0; i0 < n; i0 += block) {
-                const int32_t m = std::min(block, n - i0);
-                const uint32_t * at = e.cells.data() + i0;
-                const bool run = edgekv_is_run(at, m);
-                for (int32_t d = 0; d < hd; ++d) {
-                    const uint8_t * row = (const uint8_t *) t->data + ((size_t) h*hd + d)*e.kv_size()*el;
-                    edgekv_vt_to_f32(t->type, el, row, at, m, run, raw, tile + (size_t) d*block);
-                }
-                for (int32_t j = 0; j < m; ++j) {
-                    float * o = out + ((size_t) h*n + i0 + j)*hd;
-                    for (int32_t d = 0; d < hd; ++d) {
-                        o[d] = tile[(size_t) d*block + j];
-                    }
-                }
+                edgekv_host_rows(e, t, trans, is_k ? k_rot : v_rot, h, hd, i0, std::min(block, n - i0), raw, tile,
+                                 out + ((size_t) h*n + i0)*hd, work);
             }
         }
     });
@@ -2092,8 +2097,7 @@ int32_t llama_edgekv_seq_value_norms(llama_context * ctx, llama_seq_id seq_id, d
     // into rows of hd floats, then summed row by row
     constexpr int32_t block = 256;
     const bool ok = edgekv_host_parallel(e.n_layer*H, (int32_t) ctx->n_threads(), [&](int32_t item, edgekv_scratch & tmp) {
-        const int32_t l = item/H, h = item % H;
-        const ggml_tensor * t = e.layers()[l].v;
+        const ggml_tensor * t = e.layers()[item/H].v;
         double * o = out + (size_t) item*n;
         const size_t el = ggml_type_size(t->type);
         tmp.resize((size_t) block*el + 2*(size_t) hd*block*sizeof(float));
@@ -2103,31 +2107,7 @@ int32_t llama_edgekv_seq_value_norms(llama_context * ctx, llama_seq_id seq_id, d
         std::vector<double> work;
         for (int32_t i0 = 0; i0 < n; i0 += block) {
             const int32_t m = std::min(block, n - i0);
-            const uint32_t * at = e.cells.data() + i0;
-            if (!e.v_trans()) {
-                const size_t row_bytes = ggml_row_size(t->type, hd);
-                for (int32_t j = 0; j < m; ++j) {
-                    const uint8_t * row = (const uint8_t *) t->data + ((size_t) at[j]*H + h)*row_bytes;
-                    if (j + 8 < m) {
-                        edgekv_prefetch((const uint8_t *) t->data + ((size_t) at[j + 8]*H + h)*row_bytes, row_bytes);
-                    }
-                    edgekv_to_f32(t->type, row, rows + (size_t) j*hd, hd);
-                }
-                if (v_rot) {
-                    edgekv_unrotate_rows(rows, (size_t) m, hd, v_rot, work);
-                }
-            } else {  // each channel row's run of cells into tile [hd][m], then the tile's columns as rows
-                const bool run = edgekv_is_run(at, m);
-                for (int32_t d = 0; d < hd; ++d) {
-                    const uint8_t * row = (const uint8_t *) t->data + ((size_t) h*hd + d)*e.kv_size()*el;
-                    edgekv_vt_to_f32(t->type, el, row, at, m, run, raw, tile + (size_t) d*m);
-                }
-                for (int32_t j = 0; j < m; ++j) {
-                    for (int32_t d = 0; d < hd; ++d) {
-                        rows[(size_t) j*hd + d] = tile[(size_t) d*m + j];
-                    }
-                }
-            }
+            edgekv_host_rows(e, t, e.v_trans(), v_rot, item % H, hd, i0, m, raw, tile, rows, work);
             for (int32_t j = 0; j < m; ++j) {
                 o[i0 + j] = std::sqrt(edgekv_np_sumsq(rows + (size_t) j*hd, hd));
             }
