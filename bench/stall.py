@@ -15,6 +15,12 @@ one-shot (``scheduled=False``: LagKV's incremental schedule is not asked) under
 to 1k by default. The stall is the difference of the two times (medians over the
 rounds); the compression's own time, from the session's counters, is beside it.
 
+A third turn per round starts from the full state too, but first runs
+``Session.make_room`` for the turn's tokens, as ``edgekv chat --room`` does after a reply
+while the user types: its first token (``ahead s``) shows what is left of the stall once
+the compression runs between turns. It must sample the token the full turn sampled
+(the same cache, byte for byte: ``tests/test_session.py``).
+
 Methods that tally attention from the sequence's start (H2O) get a Session of their own,
 prefilled with the tally on: it would slow every other method's turns, and an H2O chat
 pays it on both of its turns, with room and when full.
@@ -97,13 +103,15 @@ def main() -> None:
         rows = sorted(kept + rows, key=lambda r: (order.get((r["method"].split(":")[0], r["cache_type"]), len(order)),
                                                   r["method"]))
     out = write_json(name, {"machine": machine(), "model": a.model, "rows": rows})
-    print(f"{'method':18s} {'cache':6s} {'room s':>7s} {'full s':>7s} {'stall s':>8s} {'compress s':>10s}")
+    print(f"{'method':18s} {'cache':6s} {'room s':>7s} {'full s':>7s} {'stall s':>8s} {'compress s':>10s} "
+          f"{'ahead s':>8s}")
     for row in rows:
         if "refused" in row:
             print(f"{row['method']:18s} {row['cache_type']:6s} refused: {row['refused']}")
             continue
         print(f"{row['method']:18s} {row['cache_type']:6s} {row['first_token_s_room']:7.2f} "
-              f"{row['first_token_s_full']:7.2f} {row['stall_s']:8.2f} {row['compress_s']:10.2f}")
+              f"{row['first_token_s_full']:7.2f} {row['stall_s']:8.2f} {row['compress_s']:10.2f} "
+              f"{row.get('first_token_s_ahead', float('nan')):8.2f}")
     print(f"wrote {out}")
 
 
@@ -130,23 +138,27 @@ def _measure(a: argparse.Namespace, model: Model, ct: str, group: list[str], *, 
             print(f"{ct}: prefilled {n} cells ({kind}) in {time.perf_counter() - t0:.1f} s", flush=True)
         n_turn = len(model.tokenize(question, add_special=False, parse_special=True))
         assert a.length + n_turn + 1 <= a.length + spare < len(toks) + n_turn  # fits, then does not
-        times: dict[str, dict[str, list[float]]] = {m: {"room": [], "full": [], "compress": []} for m in group}
+        times: dict[str, dict[str, list[float]]] = {m: {"room": [], "full": [], "ahead": [], "compress": []}
+                                                   for m in group}
         refused: dict[str, str] = {}
         cells_after: dict[str, int] = {}
         for r in range(a.rounds):
             for m in [m for m in (group if r % 2 == 0 else reversed(group)) if m not in refused]:
-                for kind in ("room", "full") if r % 2 == 0 else ("full", "room"):
-                    s.restore(states[kind])
+                sampled: dict[str, int | None] = {}
+                for kind in ("room", "full", "ahead") if r % 2 == 0 else ("ahead", "full", "room"):
+                    s.restore(states["full" if kind == "ahead" else kind])
                     try:
                         s.use(m, ratio=a.ratio, scheduled=False)
                     except EdgekvError as e:  # a method this cache or engine cannot run
                         refused[m] = str(e)
                         print(f"{ct} {m}: refused: {e}", flush=True)
                         break
+                    if kind == "ahead" and not s.make_room(n_turn):  # between turns: not timed
+                        raise SystemExit(f"{m}: make_room did not compress the full cache")
                     before, spent = s.stats.compressions, s.stats.compress_seconds
                     t0 = time.perf_counter()
                     s.feed_text(question, add_special=False)
-                    s.step(greedy)
+                    sampled[kind] = s.step(greedy)
                     times[m][kind].append(time.perf_counter() - t0)
                     compressed = s.stats.compressions - before
                     if kind == "full":
@@ -154,11 +166,14 @@ def _measure(a: argparse.Namespace, model: Model, ct: str, group: list[str], *, 
                         cells_after[m] = s.engine.n_cells
                     if compressed != (kind == "full"):
                         raise SystemExit(f"{m}: the {kind} turn compressed {compressed} times")
+                if m not in refused and sampled["ahead"] != sampled["full"]:
+                    raise SystemExit(f"{m}: the turn after make_room sampled {sampled['ahead']}, "
+                                     f"the full turn {sampled['full']}")
                 if m in refused:
                     continue
                 print(f"round {r + 1}/{a.rounds} {ct} {m}: first token {times[m]['room'][-1]:.2f} s with room, "
-                      f"{times[m]['full'][-1]:.2f} s when full (compression {times[m]['compress'][-1]:.2f} s)",
-                      flush=True)
+                      f"{times[m]['full'][-1]:.2f} s when full (compression {times[m]['compress'][-1]:.2f} s), "
+                      f"{times[m]['ahead'][-1]:.2f} s after making room", flush=True)
         for m, why in refused.items():
             rows.append({"method": m, "cache_type": ct, "length": a.length, "refused": why, **stamp})
         for m in [m for m in group if m not in refused]:
@@ -167,6 +182,7 @@ def _measure(a: argparse.Namespace, model: Model, ct: str, group: list[str], *, 
                          "cells_after": cells_after[m], "turn_tokens": n_turn,
                          "first_token_s_room": round(room, 3), "first_token_s_full": round(full, 3),
                          "stall_s": round(full - room, 3),
+                         "first_token_s_ahead": round(statistics.median(times[m]["ahead"]), 3),
                          "compress_s": round(statistics.median(times[m]["compress"]), 3), "raw": times[m],
                          **stamp})
     return rows

@@ -11,16 +11,20 @@ import inspect
 import math
 import os
 import sys
+import threading
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from .bench.cli import bench_app as _bench_app
 from .config import DEFAULT_CHUNK, BudgetRule, ContextOptions
 from .errors import EdgekvError
+
+if TYPE_CHECKING:
+    from .session import Session
 
 try:  # typer >= 0.20 vendors click; older releases use click itself
     from typer._click.exceptions import ClickException, NoArgsIsHelpError
@@ -242,6 +246,41 @@ def _stats_line(s) -> str:
             f"compressions {s.compressions} | KV {s.kv_bytes / 2**20:.1f} MiB]")
 
 
+class _Ahead:
+    """``Session.make_room`` in a thread while the chat waits for the next line, so that
+    the compression the next turn would start with does not hold up its reply. The loop
+    waits for it before it touches the session again; an error it raised is raised then."""
+
+    def __init__(self, sess: Session, room: int) -> None:
+        self.sess, self.room = sess, room
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        if self.room and self.sess.method.compresses:
+            self.thread = threading.Thread(target=self._run, name="edgekv-make-room", daemon=True)
+            self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.sess.make_room(self.room)
+        except BaseException as e:  # raised again in the loop's thread, by wait()
+            self.error = e
+
+    def wait(self) -> None:
+        if self.thread is None:
+            return
+        while self.thread.is_alive():
+            try:
+                self.thread.join()
+            except KeyboardInterrupt:  # a compression cannot stop halfway: it is waited for
+                typer.echo("\n(finishing the compression started after the last reply)", err=True)
+        self.thread = None
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+
 @app.command()
 @session_options
 def chat(
@@ -253,6 +292,7 @@ def chat(
     system: Annotated[str | None, typer.Option(help="System prompt.")] = None,
     show_stats: Annotated[bool, typer.Option("--stats/--no-stats", help="Print cache counters (one line on stderr) after each reply.")] = True,
     stats_json: Annotated[Path | None, typer.Option(help="At the end, write the cache counters and every turn (user text, reply, counters) as JSON here.")] = None,
+    room: Annotated[int, typer.Option(min=0, help="After each reply, keep this many cells free for the next turn: a compression the turn would need runs while you type, not before the reply. 0: off.")] = 0,
 ) -> None:
     """Interactive chat whose KV cache stays within --n-ctx; lines come from stdin (scriptable).
 
@@ -271,6 +311,7 @@ def chat(
         conv = Chat(sess, system=system)
         cfg = SamplerConfig(temperature=temperature, seed=seed)
         interactive = sys.stdin.isatty()
+        ahead = _Ahead(sess, room)
         if interactive:
             budget = sess.rule.budget
             typer.echo(f"edgekv chat: {sess.model.path.name}, method {sess.method.name}, "
@@ -283,6 +324,7 @@ def chat(
             except KeyboardInterrupt:  # Ctrl-C at the prompt: as Ollama, a hint, not the end
                 typer.echo("\n(Ctrl-D or /quit ends the chat)", err=True)
                 continue
+            ahead.wait()  # the session is the loop's again
             if not line:
                 break
             text = line.rstrip("\n")
@@ -295,6 +337,7 @@ def chat(
                 continue
             prog, cb = _progress_bar("prefill")
             reply: list[str] = []
+            compressed_before = sess.stats.compressions  # a turn's own compressions: what it waited for
             pieces = conv.send(text, max_tokens=max_tokens, sampler=cfg, progress=cb)
             try:  # Ctrl-C stops the reply (or the prefill) and keeps the conversation
                 with prog:
@@ -315,9 +358,12 @@ def chat(
             sys.stdout.flush()
             s = sess.stats
             turns.append({"user": text, "reply": "".join(reply), "cells": s.cells,
-                          "tokens_seen": s.tokens_seen, "compressions": s.compressions})
+                          "tokens_seen": s.tokens_seen, "compressions": s.compressions,
+                          "compressions_in_turn": s.compressions - compressed_before})
             if show_stats:
                 typer.echo(_stats_line(s), err=True)
+            ahead.start()
+        ahead.wait()
         if stats_json:
             _write_json(stats_json, {**sess.stats.as_dict(), "turns": turns}, "--stats-json")
     except EdgekvError as e:

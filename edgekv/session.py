@@ -366,16 +366,38 @@ class Session:
                 f"context full: {self.engine.n_cells} + {n} tokens exceed n_ctx={self.capacity} and "
                 f"method '{self.method.name}' never compresses (use --method or a larger --n-ctx)"
             )
-        # Halving methods (ratio mode, context shift) may need more than one round.
+        self._compress_for(n)
+        if self.engine.n_cells + n > self.capacity:
+            raise BudgetError(
+                f"compression left {self.engine.n_cells} cells; {n} more do not fit in n_ctx={self.capacity}"
+            )
+
+    def make_room(self, n: int) -> bool:
+        """Compress now if fewer than ``n`` cells are free: the compression that feeding ``n``
+        tokens would start with, run ahead, so that a chat can run it between turns (while
+        the user types) instead of before the next reply's first token. Feeding ``n`` tokens
+        (at most a chunk) afterwards compresses no more and leaves the cache as feeding them
+        without this call would have: the same window, the same target. Fewer tokens may
+        have fit without a compression: the room is the caller's guess at the next turn.
+        Returns whether it compressed; a budget too small for ``n`` cells is left to the
+        feed to refuse."""
+        if n < 1:
+            raise EdgekvError(f"make_room: n must be at least 1, got {n}")
+        self.settle()
+        if not self.method.compresses or self.engine.n_cells + n <= self.capacity:
+            return False
+        done = self.stats.compressions
+        self._compress_for(n)
+        return self.stats.compressions > done
+
+    def _compress_for(self, n: int) -> None:
+        """Compress until ``n`` more cells fit, or until the method keeps everything: halving
+        methods (ratio mode, context shift) may need more than one round."""
         while self.engine.n_cells + n > self.capacity:
             before = self.engine.n_cells
             self.compress()
             if self.engine.n_cells >= before:
                 break
-        if self.engine.n_cells + n > self.capacity:
-            raise BudgetError(
-                f"compression left {self.engine.n_cells} cells; {n} more do not fit in n_ctx={self.capacity}"
-            )
 
     # -- decoding ------------------------------------------------------------
     def prefill(self, tokens: list[int]) -> Iterator[tuple[int, int]]:

@@ -291,6 +291,34 @@ def test_chat_twenty_turns_bounded(smollm2_path, tmp_path, method):
     assert turns[-1]["compressions"] == s["compressions"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["snapkv", "protokv"])
+def test_chat_makes_room_between_turns(smollm2_path, tmp_path, method):
+    """With --room, the compression a turn would wait for runs after the reply before it
+    (while the user types): no turn compresses inside itself, and the cache stays as
+    bounded. Without it, turns that fill the cache compress before their reply. (Methods
+    with a schedule of their own, Chelsea's and LagKV's, still compress as it falls due.)"""
+    n_ctx, questions = 320, QUESTIONS[:12]
+    got = {}
+    for room in (0, 96):
+        stats = tmp_path / f"chat{room}.json"
+        r = run_cli(
+            "chat", "--method", method, "--budget", "128", "--n-ctx", n_ctx, "--max-tokens", "24",
+            "--temperature", "0", "--stats-json", stats, "--room", room,
+            stdin="".join(q + "\n" for q in questions), timeout=300,
+        )
+        assert r.returncode == 0, r.stderr
+        assert "Traceback" not in r.stderr
+        got[room] = json.loads(stats.read_text())
+        turns = got[room]["turns"]
+        assert [t["user"] for t in turns] == questions and all(t["reply"].strip() for t in turns)
+        assert got[room]["compressions"] >= 1 and got[room]["peak_cells"] <= n_ctx
+    assert any(t["compressions_in_turn"] for t in got[0]["turns"])
+    assert not any(t["compressions_in_turn"] for t in got[96]["turns"])
+    # the room is kept after every reply, the last one too (the chat waits for it at the end)
+    assert got[96]["cells"] + 96 <= n_ctx
+
+
 class _Chat:
     """``edgekv chat`` in a subprocess, its output read as it comes, for signals mid-turn."""
 

@@ -220,6 +220,51 @@ def test_logits_survive_a_compression(smollm2) -> None:
         assert len(list(s.generate_tokens(4))) >= 1
 
 
+@pytest.mark.parametrize("method", ["snapkv", "chelsea", "knorm"])
+def test_making_room_ahead_is_the_compression_the_next_turn_would_run(smollm2, method: str) -> None:
+    """``make_room(n)`` between turns runs the compression that feeding the next ``n`` tokens
+    would have started with: the turn then compresses no more, and the cache (cells,
+    positions, merge counts) and the reply's logits are the same bytes as without it."""
+    toks = smollm2.tokenize(PROMPT * 8)
+    turn = smollm2.tokenize(" And then the storm came over the hill.", add_special=False)[:12]
+    n_ctx = 256
+    with Session(smollm2, method="full", n_ctx=n_ctx, chunk=64, n_threads=2, observe=32) as s:
+        s.feed(toks[: n_ctx - len(turn) + 3])  # the turn does not fit
+        s.use(method, budget=96, scheduled=False)  # compress when full, not on the method's schedule
+        full = s.save()
+        assert not s.make_room(3)  # three cells are still free: nothing to do
+        assert s.stats.compressions == 0
+
+        s.feed(turn)  # compresses before the turn
+        assert s.stats.compressions == 1
+        plain, plain_logits = s.save()[0], s.logits().copy()
+
+        s.restore(full)
+        assert s.make_room(len(turn))
+        assert s.stats.compressions == 2 and s.engine.n_cells + len(turn) <= n_ctx
+        s.feed(turn)  # fits now
+        assert s.stats.compressions == 2
+        ahead = s.save()[0]
+        assert ahead.blob == plain.blob
+        assert np.array_equal(ahead.token_pos, plain.token_pos)
+        assert (ahead.counts is None) == (plain.counts is None)
+        if plain.counts is not None:  # chelsea merges: the same counts
+            assert np.array_equal(ahead.counts, plain.counts)
+        assert np.array_equal(s.logits(), plain_logits)
+        with pytest.raises(EdgekvError, match="at least 1"):
+            s.make_room(0)
+
+
+def test_making_room_is_nothing_for_a_method_that_never_compresses(smollm2) -> None:
+    toks = smollm2.tokenize(PROMPT * 3)
+    with Session(smollm2, method="full", n_ctx=64, n_threads=2) as s:
+        s.feed(toks[:60])
+        assert not s.make_room(16)  # the next feed refuses, with its one-line error
+        assert s.engine.n_cells == 60
+        with pytest.raises(EdgekvError, match="context full"):
+            s.feed(toks[60:76])
+
+
 def test_a_compression_pauses_the_cyclic_gc_and_restores_it(smollm2, monkeypatch) -> None:
     """The collector is off while the method compresses and as it was afterwards, also
     when the method fails."""
