@@ -251,8 +251,8 @@ class _Ahead:
     the compression the next turn would start with does not hold up its reply. The loop
     waits for it before it touches the session again; an error it raised is raised then."""
 
-    def __init__(self, sess: Session, room: int) -> None:
-        self.sess, self.room = sess, room
+    def __init__(self, sess: Session, room: int, interactive: bool) -> None:
+        self.sess, self.room, self.interactive = sess, room, interactive
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
 
@@ -270,6 +270,8 @@ class _Ahead:
     def wait(self) -> None:
         if self.thread is None:
             return
+        if self.interactive and self.thread.is_alive():  # the user typed faster than it compressed
+            typer.echo("(finishing the compression that makes room)", err=True)
         while self.thread.is_alive():
             try:
                 self.thread.join()
@@ -311,7 +313,7 @@ def chat(
         conv = Chat(sess, system=system)
         cfg = SamplerConfig(temperature=temperature, seed=seed)
         interactive = sys.stdin.isatty()
-        ahead = _Ahead(sess, room)
+        ahead = _Ahead(sess, room, interactive)
         if interactive:
             budget = sess.rule.budget
             typer.echo(f"edgekv chat: {sess.model.path.name}, method {sess.method.name}, "
