@@ -459,6 +459,7 @@ def serve(
     state_dir: Annotated[Path | None, typer.Option(help="Keep conversations here, across restarts and crashes: every completed turn is recorded before its reply ends, and the next server on this directory resumes each conversation (from its saved cache, or rebuilt from its messages). Default: a new directory under ~/.cache/edgekv/server, removed at exit.")] = None,
     model_name: Annotated[str | None, typer.Option(help="The model id clients send (default: the registry name or the file name without .gguf).")] = None,
     batch: Annotated[bool, typer.Option("--batch/--no-batch", help="Hold the live conversations in one context of --max-live sequences and decode their tokens together, one llama_decode per step (state engine; h2o, chelsea and kvzip keep a context of their own).")] = False,
+    room: Annotated[int, typer.Option(min=0, help="After each turn, keep this many cells free for the conversation's next one: the compression that turn would need runs while no request is waiting, not before its reply. 0: off.")] = 0,
 ) -> None:
     """OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models,
     /v1/edgekv/stats and a web page at /. Every conversation keeps its own compressed cache.
@@ -491,7 +492,7 @@ def serve(
             defaults=Settings(rule.method_name, rule.budget, rule.ratio, rule.params),
             state_dir=state_dir, options=opts.options(), max_live=max_live, max_conversations=max_conversations,
             max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens, temperature=temperature,
-            persist=not own_dir, batch=batch,
+            persist=not own_dir, batch=batch, room=room,
         )
         server = App(cfg, api_key=api_key)
         budget, ratio = rule.budget, rule.ratio

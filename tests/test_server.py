@@ -271,6 +271,39 @@ def test_thirty_turns_outgrow_the_context_and_keep_answering(smollm2, tmp_path) 
         _consistent(base, app)
 
 
+@pytest.mark.parametrize("room", [0, 96])
+def test_the_server_makes_room_between_requests(smollm2, tmp_path, room: int) -> None:
+    """With ``room``, the compression a conversation's next request would wait for runs after
+    its turn, while no request waits: no request compresses inside itself, and the stats
+    count the rooms made. Without it, the requests that fill the cache compress before
+    their reply."""
+    n_ctx = 256
+    app = App(config(smollm2, tmp_path, defaults=Settings("snapkv", 128), n_ctx=n_ctx, room=room))
+    with running(app) as base:
+        c = _client(base)
+        msgs: list[dict[str, str]] = []
+        inside = []
+        for i in range(12):
+            msgs.append({"role": "user", "content": f"Turn {i + 1}: give me one word that rhymes with cat."})
+            r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12)
+            assert r.choices[0].message.content.strip()
+            inside.append(r.model_extra["edgekv"]["compressions_this_request"])
+            msgs.append({"role": "assistant", "content": r.choices[0].message.content})
+        deadline = time.time() + 60
+        while not app.worker.idle:  # the last turn's room is made after its reply
+            assert time.time() < deadline, "the worker did not go idle"
+            time.sleep(0.05)
+        snap = _consistent(base, app)
+        (conv,) = snap["conversations"]
+        assert conv["compressions"] >= 1
+        if room:
+            assert not any(inside), inside
+            assert snap["totals"]["rooms_made"] == conv["compressions"]
+            assert conv["cells"] + room <= n_ctx
+        else:
+            assert any(inside) and snap["totals"]["rooms_made"] == 0
+
+
 def test_bad_requests_are_openai_errors_and_lose_nothing(served) -> None:
     base, app = served
     c = _client(base)

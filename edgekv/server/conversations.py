@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,6 +71,7 @@ class ServerConfig:
     temperature: float = 0.7
     persist: bool = False  # conversations outlive the server, and a crash: recorded in state_dir at every turn
     batch: bool = False  # conversations share one context, their tokens decoded together (edgekv.lanes)
+    room: int = 0  # cells made free after each turn, while the worker is idle (Session.make_room); 0: none
 
     def settings(self, method: str | None, budget: int | None, ratio: float | None,
                  params: dict[str, object] | None) -> Settings:
@@ -142,6 +143,8 @@ class Store:
         self.resumes = 0
         self.created = 0  # conversations made by this server (a refused request makes none)
         self.abandoned = 0  # dropped because their turn did not finish (a client walked away)
+        self.rooms: deque[Conversation] = deque()  # turns ended: room to make for their next ones
+        self.rooms_made = 0  # compressions run between requests (``room``)
         self.forgotten = 0  # dropped past max_conversations
         cfg.state_dir.mkdir(parents=True, exist_ok=True)
         if cfg.persist:
@@ -288,6 +291,28 @@ class Store:
         if self.cfg.persist and conv.requests:
             self.commit(conv)
 
+    def want_room(self, conv: Conversation) -> None:
+        """A turn of ``conv`` ended: with ``room``, its next turn's compression is to run while
+        the worker has nothing else to do (``make_room``)."""
+        if self.cfg.room and conv.method.compresses:
+            self.rooms.append(conv)
+
+    def make_room(self, conv: Conversation) -> None:
+        """Run the compression ``conv``'s next turn would start with (``Session.make_room``), in
+        the worker between requests: that turn's first token then does not wait for it. A
+        conversation since saved, dropped or claimed is left alone. Its session file, if any,
+        no longer holds the cache (it still holds one for the same text, which a crash resumes).
+        A failure drops the conversation, as a failed turn does."""
+        if conv.busy or conv.session is None or self.convs.get(conv.id) is not conv:
+            return
+        try:
+            if conv.session.make_room(self.cfg.room):
+                conv.file_current = False
+                self.rooms_made += 1
+        except Exception:  # its cache may be half compressed: as a failed turn, it goes
+            log.exception("making room in conversation %s failed; it is dropped", conv.id)
+            self.drop(conv)
+
     def commit(self, conv: Conversation) -> None:
         """With ``persist``, make the conversation's completed turns durable: its record,
         written atomically (``journal``), naming its session file while that file is current."""
@@ -414,7 +439,7 @@ class Store:
                 "cells": sum(int(c["cells"]) for c in live),
                 "kv_bytes": sum(int(c["kv_bytes"]) for c in live),
                 "kv_bytes_allocated": sum(int(c["kv_bytes_allocated"]) for c in live),
-                "saves": self.saves, "resumes": self.resumes,
+                "saves": self.saves, "resumes": self.resumes, "rooms_made": self.rooms_made,
                 "created": self.created, "abandoned": self.abandoned, "forgotten": self.forgotten,
                 "batched_steps": self.lanes.steps if self.lanes is not None else 0,
                 "batched_tokens": self.lanes.tokens if self.lanes is not None else 0,

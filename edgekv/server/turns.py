@@ -126,6 +126,7 @@ def run_turn(store: Store, turn: Turn) -> Iterator[TurnEvent]:
         store.commit(conv)  # durable before the reply ends
         finished = True  # the conversation is whole again: free for the next request before the reply is out
         conv.busy = False
+        store.want_room(conv)
         yield ("done", done)
     finally:
         if not finished:
@@ -197,6 +198,7 @@ class Worker:
         self._cv = threading.Condition()
         self._stopping = False
         self._current: Job | None = None  # the turn being stepped
+        self._making_room = False  # a compression between requests is running (``Store.make_room``)
         self._thread = threading.Thread(target=self._run, name="edgekv-worker", daemon=True)
         self._thread.start()
 
@@ -215,14 +217,34 @@ class Worker:
         with self._cv:
             return len(self._jobs) + (self._current is not None)
 
+    @property
+    def idle(self) -> bool:
+        """No turn queued or stepped, and no room being made or left to make."""
+        with self._cv:
+            return not self._jobs and self._current is None and not self._making_room and not self.store.rooms
+
     def _run(self) -> None:
         while True:
+            conv = None
             with self._cv:
-                while not self._jobs and not self._stopping:
+                while not self._jobs and not self.store.rooms and not self._stopping:
                     self._cv.wait()
                 if self._stopping:
                     break
-                job = self._current = self._jobs.popleft()
+                if self._jobs:
+                    job = self._current = self._jobs.popleft()
+                else:  # nothing else to do: make room for a conversation whose turn ended
+                    conv = self.store.rooms.popleft()
+                    self._making_room = True
+            if conv is not None:
+                try:
+                    self.store.make_room(conv)
+                except Exception:  # a bug: keep serving, as a failed turn does
+                    log.exception("making room failed")
+                finally:
+                    with self._cv:
+                        self._making_room = False
+                continue
             last = self._step(job)
             with self._cv:
                 self._current = None
