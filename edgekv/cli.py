@@ -246,6 +246,11 @@ def _stats_line(s) -> str:
             f"compressions {s.compressions} | KV {s.kv_bytes / 2**20:.1f} MiB]")
 
 
+def _check_room(room: int, capacity: int) -> None:
+    if room >= capacity:
+        raise EdgekvError(f"--room {room} leaves no cells for the conversation: it must be below --n-ctx ({capacity})")
+
+
 class _Ahead:
     """``Session.make_room`` in a thread while the chat waits for the next line, so that
     the compression the next turn would start with does not hold up its reply. The loop
@@ -310,6 +315,7 @@ def chat(
     try:
         _check_writable(stats_json, "--stats-json")
         sess = _session(model, opts, interactive=True)
+        _check_room(room, sess.capacity)
         conv = Chat(sess, system=system)
         cfg = SamplerConfig(temperature=temperature, seed=seed)
         interactive = sys.stdin.isatty()
@@ -482,6 +488,7 @@ def serve(
         path = resolve_model(model)
         mdl = opts.load(path)
         rule = opts.rule(mdl.arch.n_ctx_train, interactive=True)
+        _check_room(room, rule.capacity)
         own_dir = state_dir is None
         if state_dir is None:
             root = edgekv_home() / "server"

@@ -319,6 +319,15 @@ def test_chat_makes_room_between_turns(smollm2_path, tmp_path, method):
     assert got[96]["cells"] + 96 <= n_ctx
 
 
+@pytest.mark.parametrize("command", ["chat", "serve"])
+def test_a_room_as_large_as_the_context_is_one_line(smollm2_path, command):
+    r = run_cli(command, "--method", "knorm", "--budget", "128", "--n-ctx", "256", "--room", "256", stdin="",
+                timeout=120)
+    assert r.returncode != 0
+    assert r.stderr.strip().splitlines() == ["edgekv: error: --room 256 leaves no cells for the conversation: "
+                                             "it must be below --n-ctx (256)"]
+
+
 class _Chat:
     """``edgekv chat`` in a subprocess, its output read as it comes, for signals mid-turn."""
 
