@@ -166,11 +166,11 @@ def _measure(a: argparse.Namespace, model: Model, ct: str, group: list[str], *, 
                         cells_after[m] = s.engine.n_cells
                     if compressed != (kind == "full"):
                         raise SystemExit(f"{m}: the {kind} turn compressed {compressed} times")
-                if m not in refused and sampled["ahead"] != sampled["full"]:
-                    raise SystemExit(f"{m}: the turn after make_room sampled {sampled['ahead']}, "
-                                     f"the full turn {sampled['full']}")
                 if m in refused:
                     continue
+                if sampled["ahead"] != sampled["full"]:
+                    raise SystemExit(f"{m}: the turn after make_room sampled {sampled['ahead']}, "
+                                     f"the full turn {sampled['full']}")
                 print(f"round {r + 1}/{a.rounds} {ct} {m}: first token {times[m]['room'][-1]:.2f} s with room, "
                       f"{times[m]['full'][-1]:.2f} s when full (compression {times[m]['compress'][-1]:.2f} s), "
                       f"{times[m]['ahead'][-1]:.2f} s after making room", flush=True)

@@ -299,7 +299,7 @@ def chat(
     system: Annotated[str | None, typer.Option(help="System prompt.")] = None,
     show_stats: Annotated[bool, typer.Option("--stats/--no-stats", help="Print cache counters (one line on stderr) after each reply.")] = True,
     stats_json: Annotated[Path | None, typer.Option(help="At the end, write the cache counters and every turn (user text, reply, counters) as JSON here.")] = None,
-    room: Annotated[int, typer.Option(min=0, help="After each reply, keep this many cells free for the next turn: a compression the turn would need runs while you type, not before the reply. 0: off.")] = 0,
+    room: Annotated[int, typer.Option(min=0, help="After each reply, keep this many cells free for the next turn: a compression the turn would need runs while you type, not before the reply (the compression of a full cache; Chelsea's and LagKV's own schedules still run inside turns). 0: off.")] = 0,
 ) -> None:
     """Interactive chat whose KV cache stays within --n-ctx; lines come from stdin (scriptable).
 
