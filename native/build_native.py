@@ -56,6 +56,7 @@ int32_t llama_edgekv_seq_key_sqnorms(struct llama_context * ctx, llama_seq_id se
 int32_t llama_edgekv_seq_value_norms(struct llama_context * ctx, llama_seq_id seq_id, double * out, int32_t n);
 int32_t llama_edgekv_seq_lag_scores(struct llama_context * ctx, llama_seq_id seq_id, int32_t n_group, int32_t width,
                                     const int32_t * members, double * out, int32_t n);
+int32_t llama_edgekv_shift_apply(struct llama_context * ctx);
 """
 
 
@@ -138,7 +139,7 @@ def build() -> Path:
     return _compile(
         "_edgekv_native", CDEF,
         '#include "llama-edgekv.h"\n'
-        "#if LLAMA_EDGEKV_API_VERSION < 10\n#error edgekv needs patch set v10 or later\n#endif\n",
+        "#if LLAMA_EDGEKV_API_VERSION < 11\n#error edgekv needs patch set v11 or later\n#endif\n",
         ["llama"],
     )
 

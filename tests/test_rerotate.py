@@ -206,9 +206,10 @@ def test_what_cannot_be_renumbered_is_refused(gemma3) -> None:
 def test_a_pending_context_shift_is_not_written_away(smollm2) -> None:
     """llama.cpp's state blob does not carry a K-shift it has not applied yet: rewriting or
     saving the cache before the next decode would leave the shifted keys at their old
-    rotation, so every engine verb that writes the blob refuses until a decode applies it."""
+    rotation, so every engine verb that writes the blob refuses until a decode applies it.
+    (The state engine's shift leaves it pending; the native engine's applies it at once.)"""
     toks = smollm2.tokenize(TEXT)[:200]
-    with Session(smollm2, method="full", n_ctx=256, engine="native", n_threads=2) as s:
+    with Session(smollm2, method="full", n_ctx=256, engine="state", n_threads=2) as s:
         s.feed(toks)
         delta = s.engine.shift(4, 50)
         s.n_past -= delta

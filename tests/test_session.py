@@ -338,10 +338,37 @@ def test_native_context_shift_reads_positions_not_the_cache(smollm2, monkeypatch
             monkeypatch.undo()
             reply = [s.step(SamplerConfig(temperature=0)) for _ in range(4)]
             snap = s.engine.snapshot()
-            after[engine] = (snap.pos, snap.token_pos, reply)
+            after[engine] = (snap.pos, snap.token_pos, reply, np.frombuffer(s.save()[0].blob, np.uint8))
     assert after["native"][0].shape[0] == 200 - 199 // 2 + 4
     for a, b in zip(after["native"], after["state"], strict=True):
         assert np.array_equal(a, b)
+
+
+def test_native_context_shift_rotates_the_keys_before_the_turn(smollm2) -> None:
+    """The native engine applies llama.cpp's K-shift inside the compression (llama.cpp's own
+    update, which the next decode would otherwise run), so a compression made ahead of a
+    turn (``make_room``) leaves the turn nothing to do: the native ops serve at once, the
+    cache can be saved before any decode, and the turn's logits are the state engine's,
+    whose decode applies the same shift."""
+    from edgekv.kvcache.native import NativeSnapshot
+
+    toks = smollm2.tokenize(" ".join(f"Entry {i}: the tide rose {i % 5} feet." for i in range(30)))[:250]
+    turn = smollm2.tokenize(" The keeper", add_special=False)
+    logits = {}
+    for engine in ("native", "state"):
+        with Session(smollm2, method="context_shift", n_ctx=256, engine=engine, n_threads=2) as s:
+            s.feed(toks)
+            assert s.make_room(len(turn) + 8)
+            if engine == "native":
+                assert isinstance(s.engine.snapshot(), NativeSnapshot)  # no shift left pending
+                assert s.engine.lib.llama_edgekv_shift_apply(s.engine._c) == 0  # nothing to apply
+                blob = s.save()[0].blob  # refused while a shift is pending
+            before = s.stats.compressions
+            s.feed(turn)
+            assert s.stats.compressions == before
+            logits[engine] = s.ctx.logits(-1).copy()
+    assert blob
+    np.testing.assert_array_equal(logits["native"], logits["state"])
 
 
 def test_use_switches_methods_and_refuses_what_the_session_cannot_do(smollm2) -> None:

@@ -50,7 +50,7 @@ _ERRORS = {
 }
 
 
-NATIVE_API = 10  # the patch set version (LLAMA_EDGEKV_API_VERSION) these bindings are written for
+NATIVE_API = 11  # the patch set version (LLAMA_EDGEKV_API_VERSION) these bindings are written for
 READ_BYTES = 32 << 20  # float32 K+V one native read brings back at most (its device output buffer)
 
 
@@ -222,9 +222,10 @@ class NativeEngine:
         return pos
 
     # -- verbs -----------------------------------------------------------------
-    # Between llama.cpp's context shift (seq_add) and the next decode, the cache
-    # has a pending K-shift that only llama_decode applies; the native ops refuse
-    # such a cache, and the state API (which does not care) serves instead.
+    # llama.cpp's context shift (seq_add) leaves a K-shift pending until the next
+    # decode; the native ops refuse such a cache. ``shift`` applies it at once
+    # (``llama_edgekv_shift_apply``); a shift made some other way leaves the state
+    # API (which does not care) to serve until a decode applies it.
     def snapshot(self) -> KVSnapshot:
         try:
             return self._snapshot()
@@ -253,7 +254,12 @@ class NativeEngine:
             cell_pos = self.cell_positions()
         except NativeUnsupported:  # a shift still pending: the state API serves
             cell_pos = None
-        return self._portable.shift(n_keep, n_discard, cell_pos)
+        delta = self._portable.shift(n_keep, n_discard, cell_pos)
+        # the re-rotation now, not in the next turn's first decode (0.2 s at 4k cells, f16):
+        # a compression made ahead of a turn (Session.make_room) then leaves the turn nothing
+        self._check(self.lib.llama_edgekv_shift_apply(self._c), "shift_apply")
+        self._portable.shift_applied()
+        return delta
 
     def renumber(self) -> int:
         """Through the state API (a host round trip); the log-count bias, which a restore

@@ -280,6 +280,11 @@ class StateEngine:
             self.window.clear()
         return -moved
 
+    def shift_applied(self) -> None:
+        """llama.cpp has applied the pending K-shift outside a decode (the native engine's
+        ``llama_edgekv_shift_apply``): the state blob carries the shifted keys again."""
+        self._shift_pending = False
+
     def reset(self) -> None:
         """Empty the sequence (llama.cpp's cells and the token map)."""
         self.ctx.seq_rm(self.seq, -1, -1)

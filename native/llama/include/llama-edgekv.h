@@ -29,7 +29,8 @@ extern "C" {
 //      Hadamard rotation of a quantised cache
 //   9: llama_edgekv_seq_merge can round with ggml's reference quantisers (reference)
 //  10: llama_edgekv_seq_value_norms
-#define LLAMA_EDGEKV_API_VERSION 10
+//  11: llama_edgekv_shift_apply
+#define LLAMA_EDGEKV_API_VERSION 11
 
 // what every op returns: LLAMA_EDGEKV_OK (or a count, where documented) or an error
 enum llama_edgekv_status {
@@ -184,6 +185,13 @@ LLAMA_API int32_t llama_edgekv_seq_lag_scores(
                const int32_t * members,
                       double * out,
                      int32_t   n);
+
+// Apply now what llama.cpp keeps pending for the cache until the next llama_decode: the
+// re-rotation of K that llama_memory_seq_add (a context shift) asks for, by llama.cpp's own
+// update, so the same bytes. The next decode then starts at once, and the per-sequence ops
+// (which refuse a cache with a shift pending) serve again. 1 if an update ran, 0 if none
+// was pending, LLAMA_EDGEKV_ERR_COMPUTE if it failed (a shift is then still pending).
+LLAMA_API int32_t llama_edgekv_shift_apply(struct llama_context * ctx);
 
 #ifdef __cplusplus
 }

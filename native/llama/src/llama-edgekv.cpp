@@ -1222,6 +1222,28 @@ int32_t llama_edgekv_bias_enable(llama_context * ctx) {
     return LLAMA_EDGEKV_OK;
 }
 
+// Whether the context's cache has a K-shift pending; false where it is no cache the ops know
+static bool edgekv_shift_pending(llama_context * ctx) {
+    llama_edgekv_kv e;
+    return e.init(ctx) == LLAMA_EDGEKV_OK && e.cells0().get_has_shift();
+}
+
+int32_t llama_edgekv_shift_apply(llama_context * ctx) {
+    if (!ctx) {
+        return LLAMA_EDGEKV_ERR_ARG;
+    }
+    try { // no exception crosses the C API (llama.cpp's update throws when it cannot reserve)
+        llama_synchronize(ctx);
+        const bool ran = ctx->memory_update(false);
+        if (edgekv_shift_pending(ctx)) {
+            return LLAMA_EDGEKV_ERR_COMPUTE;
+        }
+        return ran ? 1 : 0;
+    } catch (const std::exception &) {
+        return LLAMA_EDGEKV_ERR_COMPUTE;
+    }
+}
+
 bool llama_edgekv_bias_enabled(llama_context * ctx) {
     llama_edgekv_kv e;
     return e.init(ctx) == LLAMA_EDGEKV_OK && e.kv->edgekv_bias_enabled();
