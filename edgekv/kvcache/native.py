@@ -256,9 +256,11 @@ class NativeEngine:
             cell_pos = None
         delta = self._portable.shift(n_keep, n_discard, cell_pos)
         # the re-rotation now, not in the next turn's first decode (0.2 s at 4k cells, f16):
-        # a compression made ahead of a turn (Session.make_room) then leaves the turn nothing
-        self._check(self.lib.llama_edgekv_shift_apply(self._c), "shift_apply")
-        self._portable.shift_applied()
+        # a compression made ahead of a turn (Session.make_room) then leaves the turn nothing.
+        # Should llama.cpp's update fail, the shift stays pending and the next decode applies
+        # it, as on the state engine: the shift itself is done and nothing is lost.
+        if self.lib.llama_edgekv_shift_apply(self._c) >= 0:
+            self._portable.shift_applied()
         return delta
 
     def renumber(self) -> int:
